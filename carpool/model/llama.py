@@ -1,0 +1,181 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat token matrix.
+
+All of a step's tokens, decodes and prefill chunks alike, form one [num_tokens, hidden] matrix:
+every linear layer runs once over it and only attention looks at sequence boundaries.
+The module can hold a contiguous slice of layers (a pipeline stage) and a 1/tp_size shard of
+each projection (Megatron-style), so parallelism needs no second model class.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carpool.config import ModelConfig
+from carpool.model.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept; the band between is blended.
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        blend = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - blend) * scaled / factor + blend * scaled
+        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(in_band, blended, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes cos/sin for a step's positions once; every layer reuses them."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TensorParallel:
+    """Rank and group of this shard; a no-op when tp_size == 1."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        if config.num_heads % tp.size or config.num_kv_heads % tp.size:
+            raise ValueError(f"{config.num_heads} heads / {config.num_kv_heads} KV heads "
+                             f"do not split over tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, cache, meta, self.scale)
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.inter = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, tp)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Layers [first_layer, last_layer) of the decoder; embedding on the first stage,
+    final norm and LM head on the last."""
+
+    def __init__(self, config: ModelConfig, first_layer: int = 0, last_layer: int | None = None,
+                 tp: TensorParallel | None = None):
+        super().__init__()
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.first_layer = first_layer
+        self.last_layer = config.num_layers if last_layer is None else last_layer
+        self.is_first = first_layer == 0
+        self.is_last = self.last_layer == config.num_layers
+        self.rotary = RotaryEmbedding(config)
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.tp)
+                                    for _ in range(self.first_layer, self.last_layer))
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_cache: [local_layers, 2, num_slots, kv_heads, head_dim]. Returns hidden states
+        (normed on the last stage)."""
+        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i], meta)
+        return self.norm(x) if self.is_last else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

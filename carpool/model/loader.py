@@ -1,0 +1,263 @@
+"""Read model shapes and weights from a Hugging Face folder or a llama-architecture GGUF file.
+
+Both sources are turned into one stream of (Hugging Face parameter name, tensor) pairs; a single
+`load_weights` maps that stream onto the fused, possibly sharded, parameters of `LlamaModel`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from carpool.config import ModelConfig
+from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+def is_gguf(path: str) -> bool:
+    return Path(path).is_file() and Path(path).suffix == ".gguf"
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+def hf_model_config(folder: Path) -> ModelConfig:
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{folder} is neither a .gguf file nor a model folder with config.json")
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {archs[0]!r} in {cfg_file}; "
+                         f"carpool supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    eos = cfg.get("eos_token_id")
+    heads = cfg["num_attention_heads"]
+    rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        rope_scaling = None
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return ModelConfig(
+        architecture=archs[0],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+        rope_scaling=rope_scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+    )
+
+
+def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+# ---------------------------------------------------------------- GGUF files
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; carpool reads llama GGUF files")
+
+    def get(key, default=None):
+        return _gguf_field(reader, f"llama.{key}", default)
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    tensors = {t.name for t in reader.tensors}
+    vocab = get("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=heads,
+        num_kv_heads=get("attention.head_count_kv") or heads,
+        head_dim=get("rope.dimension_count") or hidden // heads,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=get("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=scaling,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+    )
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved per head (pairs for its rotary kernel);
+    regroup them into the two halves that rotate_half-style RoPE expects."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name} has unsupported type "
+                             f"{GGMLQuantizationType(t.tensor_type).name}") from e
+        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, kind, suffix = parts[1], parts[2], parts[3]
+            if kind == "attn_q":
+                w = unpermute_qk(w, config.num_heads)
+            elif kind == "attn_k":
+                w = unpermute_qk(w, config.num_kv_heads)
+            if kind not in _GGUF_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {t.name}")
+            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+        else:
+            name = {"token_embd.weight": "model.embed_tokens.weight",
+                    "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}.get(t.name)
+            if name is None:
+                continue  # e.g. rope_freqs: recomputed from the metadata
+        yield name, torch.from_numpy(w)
+
+
+# ---------------------------------------------------------------- both
+
+def open_gguf(path: str):
+    """Parsing GGUF metadata takes seconds; open it once and share the reader."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def load_model_config(path: str, gguf_reader=None) -> ModelConfig:
+    if is_gguf(path):
+        return gguf_model_config(gguf_reader or open_gguf(path))
+    return hf_model_config(Path(path))
+
+
+def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the fused, sharded parameters this model holds."""
+    cfg, tp = model.config, model.tp
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+
+    def shard(w: torch.Tensor, dim: int) -> torch.Tensor:
+        size = w.shape[dim] // tp.size
+        return w.narrow(dim, tp.rank * size, size)
+
+    def put(target: str, w: torch.Tensor, offset: int = 0) -> None:
+        p = params[target]
+        p.data.narrow(0, offset, w.shape[0]).copy_(w)
+        loaded.add(f"{target}@{offset}")
+
+    for name, w in weights:
+        if name == "model.embed_tokens.weight":
+            if model.is_first:
+                put("embed_tokens.weight", w)
+            if model.is_last and cfg.tie_word_embeddings:
+                put("lm_head.weight", w)
+            continue
+        if name == "lm_head.weight":
+            if model.is_last:
+                put("lm_head.weight", w)
+            continue
+        if name == "model.norm.weight":
+            if model.is_last:
+                put("norm.weight", w)
+            continue
+        if not name.startswith("model.layers."):
+            continue
+        _, _, idx, rest = name.split(".", 3)
+        layer = int(idx)
+        if not model.first_layer <= layer < model.last_layer:
+            continue
+        prefix = f"layers.{layer - model.first_layer}."
+        module, kind = rest.rsplit(".", 1)  # e.g. ("self_attn.q_proj", "weight")
+        attn = model.layers[layer - model.first_layer].self_attn
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            offset = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[module[-6]]
+            put(prefix + f"self_attn.qkv_proj.{kind}", shard(w, 0), offset)
+        elif module in ("mlp.gate_proj", "mlp.up_proj"):
+            inter = model.layers[0].mlp.inter
+            put(prefix + "mlp.gate_up_proj.weight", shard(w, 0), 0 if module == "mlp.gate_proj" else inter)
+        elif module in ("self_attn.o_proj", "mlp.down_proj"):
+            put(prefix + f"{module}.weight", shard(w, 1))
+        elif module in ("input_layernorm", "post_attention_layernorm"):
+            put(prefix + f"{module}.weight", w)
+        else:
+            raise ValueError(f"unexpected weight {name}")
+
+    expected = {"embed_tokens.weight@0"} if model.is_first else set()
+    if model.is_last:
+        expected |= {"norm.weight@0", "lm_head.weight@0"}
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        pre = f"layers.{i}."
+        expected |= {f"{pre}self_attn.qkv_proj.weight@{o}" for o in (0, a.q_size, a.q_size + a.kv_size)}
+        expected |= {f"{pre}mlp.gate_up_proj.weight@0", f"{pre}mlp.gate_up_proj.weight@{layer.mlp.inter}",
+                     f"{pre}self_attn.o_proj.weight@0", f"{pre}mlp.down_proj.weight@0",
+                     f"{pre}input_layernorm.weight@0", f"{pre}post_attention_layernorm.weight@0"}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:6])}")
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
+               last_layer: int | None = None, tp: TensorParallel | None = None,
+               gguf_reader=None) -> LlamaModel:
+    if is_gguf(path):
+        reader = gguf_reader or open_gguf(path)
+        config = gguf_model_config(reader)
+        weights = gguf_weights(reader, config)
+    else:
+        config = hf_model_config(Path(path))
+        weights = hf_weights(Path(path))
+    with torch.device("meta"):
+        model = LlamaModel(config, first_layer, last_layer, tp)
+    model.to_empty(device="cpu")
+    load_weights(model, weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.inv_freq = rope_inv_freq(config).to(device)  # RoPE frequencies stay fp32
+    return model

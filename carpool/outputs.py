@@ -1,0 +1,122 @@
+"""After sampling: detokenize, check stop conditions, and package what callers see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from carpool.request import Request, RequestStatus
+from carpool.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    token_times: list[float]
+    finished_time: float | None
+    num_preemptions: int
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after one step. `new_*` is what this step added; `text` and
+    `token_ids` are everything generated so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+class OutputProcessor:
+    """Owns each live request's detokenizer and the text it has already handed out."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, str] = {}
+        self._sent: dict[str, tuple[int, int, int]] = {}  # chars, tokens, logprobs handed out
+
+    def add(self, request: Request) -> None:
+        sp = request.sampling_params
+        self._detok[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, sp.skip_special_tokens)
+        self._text[request.request_id] = ""
+        self._sent[request.request_id] = (0, 0, 0)
+
+    def append_token(self, request: Request, token: int, now: float) -> RequestStatus | None:
+        """Record a sampled token; return the finished status if it ends the request."""
+        request.append_token(token, now)
+        sp = request.sampling_params
+        rid = request.request_id
+        new_text = self._detok[rid].add(token)
+        self._text[rid] += new_text
+        can_stop = request.num_output_tokens >= sp.min_tokens
+        if can_stop and token in sp.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if can_stop and not sp.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if can_stop and sp.stop and new_text:
+            text = self._text[rid]
+            window = len(new_text) + max(len(s) for s in sp.stop) - 1
+            search_from = max(0, len(text) - window)
+            hits = [(text.find(s, search_from), s) for s in sp.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                self._text[rid] = text[:i + len(s)] if sp.include_stop_str_in_output else text[:i]
+                request.stop_reason = s
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_output(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        text = self._text.get(rid, "")
+        sent_chars, sent_tokens, sent_lp = self._sent.get(rid, (0, 0, 0))
+        visible = len(text)
+        if not request.is_finished and request.sampling_params.stop:
+            # Hold back a tail that might still become a stop string, so it is never streamed.
+            visible = max(sent_chars, len(text) - (max(len(s) for s in request.sampling_params.stop) - 1))
+        out_ids = request.output_token_ids
+        self._sent[rid] = (visible, len(out_ids), len(request.output_logprobs))
+        wants_lp = request.sampling_params.logprobs is not None
+        output = RequestOutput(
+            request_id=rid,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            new_text=text[sent_chars:visible],
+            new_token_ids=out_ids[sent_tokens:],
+            text=text[:visible],
+            token_ids=out_ids,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            new_logprobs=request.output_logprobs[sent_lp:],
+            logprobs=request.output_logprobs if wants_lp else None,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                   request.token_times, request.finished_time, request.num_preemptions),
+            error=request.error,
+        )
+        if request.is_finished:
+            self._detok.pop(rid, None)
+            self._text.pop(rid, None)
+            self._sent.pop(rid, None)
+        return output

@@ -1,0 +1,95 @@
+"""Turn the last-position logits of each ready request into its next token (and logprobs)."""
+
+from __future__ import annotations
+
+import torch
+
+from carpool.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition penalty over prompt and output (as in HF); presence/frequency over output."""
+    for row, req in enumerate(requests):
+        sp = req.sampling_params
+        if not sp.has_penalties:
+            continue
+        x = logits[row]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long)
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        out = req.output_token_ids
+        if out and (sp.presence_penalty or sp.frequency_penalty):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).to(x.dtype)
+            x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, req in enumerate(requests):
+        sp = req.sampling_params
+        if req.num_output_tokens < sp.min_tokens:
+            banned = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                banned |= req.eos_token_ids
+            if banned:
+                logits[row, sorted(banned)] = float("-inf")
+
+
+def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                             min_p: torch.Tensor) -> torch.Tensor:
+    """Rows of temperature-scaled logits; returns them with excluded tokens at -inf."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+        logits = logits.float()
+        want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        logits = logits.clone()
+        apply_penalties(logits, requests)
+        mask_stops_before_min_tokens(logits, requests)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if random_rows:
+            params = [requests[i].sampling_params for i in random_rows]
+            rows = logits[random_rows] / torch.tensor([p.temperature for p in params])[:, None]
+            rows = filter_top_k_top_p_min_p(
+                rows,
+                torch.tensor([p.top_k for p in params]),
+                torch.tensor([p.top_p for p in params]),
+                torch.tensor([p.min_p for p in params]),
+            )
+            probs = rows.softmax(dim=-1)
+            for j, i in enumerate(random_rows):
+                gen = requests[i].generator or self.generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        for i, req in enumerate(requests):
+            if want_logprobs[i]:
+                n = req.sampling_params.logprobs
+                top = raw_logprobs[i].topk(n) if n else None
+                entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
+                if top is not None:
+                    for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                        entry.setdefault(t, v)
+                logprobs[i] = entry
+        return token_list, logprobs

@@ -1,0 +1,100 @@
+"""The model's own tokenizer and chat template, from tokenizer files or GGUF metadata."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from carpool.model.loader import is_gguf, open_gguf
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: everything is local
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _gguf_tokenizer(reader):
+    """Rebuild a byte-level BPE tokenizer from the vocab, merges and special tokens in GGUF."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (carpool reads byte-level BPE, 'gpt2')")
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                     byte_fallback=False)
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre in ("smollm", "starcoder", "refact", "default", "gpt2"):
+        # These split every digit on its own before the GPT-2 byte-level regex.
+        digits = pre != "gpt2"
+        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                             if digits else byte_level)
+    else:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    tok.decoder = decoders.ByteLevel()
+    # Types 3 (control) and 4 (user-defined) are special tokens that must never be split.
+    from tokenizers import AddedToken
+
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
+    tok.add_special_tokens(special)
+
+    def token(key):
+        i = field(key)
+        return None if i is None else tokens[i]
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=field("tokenizer.chat_template"),
+        add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer(model_path: str, gguf_reader=None):
+    if is_gguf(model_path):
+        return _gguf_tokenizer(gguf_reader or open_gguf(model_path))
+    from transformers import AutoTokenizer
+
+    if not (Path(model_path) / "tokenizer_config.json").exists() and not (Path(model_path) / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{model_path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, holding back bytes of a UTF-8 character not yet complete.
+
+    Decodes a short window of recent tokens and emits only what extends past the text the window
+    had already produced, so merges across token boundaries (spaces, multi-byte characters) come
+    out right without re-decoding the whole output each step."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])  # context so the first output token decodes as in-stream
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character (or nothing visible) so far
+        new = full[len(prefix):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += new
+        return new
