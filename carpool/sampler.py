@@ -44,8 +44,9 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     drop = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays). Rows
+    # with top_p == 1 skip it: float32 cumsum can reach 1.0 before the tail of a large vocab.
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
     drop |= probs < (min_p[:, None] * probs[:, :1])
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

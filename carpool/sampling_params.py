@@ -25,6 +25,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, not a bool")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None:

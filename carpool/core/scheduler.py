@@ -127,8 +127,10 @@ class Scheduler:
         return True
 
     def admit(self, request: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Move the oldest waiting request to running with a first grant, if blocks allow."""
-        if len(self.running) >= self.max_num_seqs:
+        """Move the oldest waiting request to running with a first grant, if blocks allow.
+        Nothing is admitted in a step that had to preempt: memory is short, and a victim taken
+        straight back would only thrash."""
+        if len(self.running) >= self.max_num_seqs or batch.preempted:
             return False
         if not self.block_manager.allocate(request, request.num_computed_tokens + num_tokens):
             return False

@@ -1,0 +1,49 @@
+"""Shared fixtures: the embedded model is loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from carpool.config import default_model_path  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "Explain photosynthesis in one sentence:",
+    "<|im_start|>user\nWhat is 7 times 8?<|im_end|>\n<|im_start|>assistant\n",
+    "Les chats sont",
+    "import numpy as np\nx = np.",
+    "A list of prime numbers: 2, 3, 5, 7,",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine_fp32(model_path):
+    from carpool.engine import LLMEngine
+
+    return LLMEngine(model=model_path, dtype="float32", kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own GGUF loader: the independent reference."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    p = Path(model_path)
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
