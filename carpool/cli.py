@@ -73,8 +73,8 @@ def stream(engine, prompt_ids: list[int], sp, out=sys.stdout) -> str:
 def cmd_generate(args) -> int:
     from carpool.engine import LLMEngine
 
+    sp = sampling_params(args)  # bad values fail before the model loads
     engine = LLMEngine(engine_config(args))
-    sp = sampling_params(args)
     for prompt in args.prompts:
         if args.raw:
             ids = engine.tokenizer.encode(prompt)
@@ -89,8 +89,8 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from carpool.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(args))
     sp = sampling_params(args)
+    engine = LLMEngine(engine_config(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("carpool chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
     while True:
@@ -114,6 +114,14 @@ def cmd_chat(args) -> int:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": answer})
+
+
+def cmd_serve(args) -> int:
+    from carpool.server.api_server import run_server
+
+    if args.model_tag:
+        args.model = args.model_tag
+    return run_server(args)
 
 
 def cmd_bench_hybrid(args) -> int:
@@ -140,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_engine_args(p)
+    from carpool.server import add_server_args
+
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)

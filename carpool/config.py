@@ -125,6 +125,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        from carpool.core.scheduler import SCHEDULERS
+
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.model is None:

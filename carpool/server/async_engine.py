@@ -1,0 +1,319 @@
+"""Drive a (thread-unsafe) LLMEngine from asyncio.
+
+One dedicated engine thread owns the engine: it is the only thread that calls `add_request`,
+`abort_request` and `step`. Coroutines on the event loop hand it commands through a locked
+list; before every step the thread drains that list, so adds and aborts land between
+iterations. Each step's outputs go back to the loop in one `call_soon_threadsafe` per request
+group, where they fill the group's asyncio.Queue. Many HTTP requests therefore stream
+independently while the model runs in batches off the event loop thread.
+
+A `RequestGroup` is the engine requests of one HTTP request (n choices x prompts); its outputs
+arrive tagged with the index of the engine request inside the group.
+
+If `step()` itself raises (the engine fails a bad batch by itself, so this means its state can
+no longer be trusted), the loop dies: every live group gets `EngineDeadError`, new submissions
+are refused, and `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from carpool.engine import LLMEngine
+from carpool.outputs import RequestOutput
+from carpool.sampling_params import SamplingParams
+
+log = logging.getLogger("carpool.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (crashed or shut down); the request cannot be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admitting the request would grow the waiting queue past --max-waiting-requests."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused one request of a group in add_request (a ValueError there)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+class StepObserver(Protocol):
+    """Gets a look at the engine after every step, on the engine thread (for metrics)."""
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], stats) -> None: ...
+
+    def on_abort(self, engine: LLMEngine, num_aborted: int) -> None: ...
+
+
+@dataclass
+class _Add:
+    group: RequestGroup
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request; iterate it for (index, RequestOutput)."""
+
+    def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop, request_ids: list[str]):
+        self._engine = engine
+        self._loop = loop
+        self.request_ids = request_ids
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._accepted = loop.create_future()
+        self._num_added = 0
+        self._finished: set[int] = set()
+        self._aborted = False
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    # ---------------------------------------------------- called on the loop, from the engine thread
+    def _on_added(self, index: int, error: BaseException | None) -> None:
+        if self._accepted.done():
+            return
+        if error is not None:
+            self._accepted.set_exception(error)
+            return
+        self._num_added += 1
+        if self._num_added == len(self.request_ids):
+            self._accepted.set_result(None)
+
+    def _deliver(self, items: list[tuple[int, RequestOutput]]) -> None:
+        self._queue.put_nowait(items)
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._accepted.done():
+            self._accepted.set_exception(error)
+        self._queue.put_nowait(error)
+
+    # ---------------------------------------------------- for the request handler
+    async def wait_accepted(self) -> None:
+        try:
+            await asyncio.shield(self._accepted)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def finished(self) -> bool:
+        return len(self._finished) == len(self.request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while not self.finished:
+            items = await self._queue.get()
+            if isinstance(items, BaseException):
+                raise items
+            for index, output in items:
+                if output.finished:
+                    self._finished.add(index)
+                yield index, output
+
+    def abort(self) -> None:
+        """Abort every engine request of the group that has not finished (idempotent)."""
+        if self._aborted or self.finished:
+            return
+        self._aborted = True
+        ids = [rid for i, rid in enumerate(self.request_ids) if i not in self._finished]
+        self._engine._push([_Abort(rid) for rid in ids])
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 observer: StepObserver | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._num_pending_adds = 0      # queued _Add commands not yet handed to the engine
+        self._engine_waiting = 0        # len(scheduler.waiting) as of the last drain or step
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # engine thread only
+        self.error: BaseException | None = None
+        self.num_aborted = 0
+        self._torch_threads = torch.get_num_threads()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stop
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running: queued for the engine plus its waiting queue."""
+        with self._cond:
+            return self._num_pending_adds + self._engine_waiting
+
+    # ------------------------------------------------------------ submitting (event loop thread)
+    async def add_requests(self, entries: Sequence[tuple[list[int], SamplingParams]],
+                           arrival_time: float | None = None, prefix: str | None = None) -> RequestGroup:
+        """Queue one engine request per (prompt ids, params); return once the engine has
+        accepted them all. Raises EngineOverloadedError, EngineDeadError, or
+        RequestRejectedError (the engine's ValueError) -- in those cases nothing stays queued."""
+        if not self.healthy:
+            raise EngineDeadError(self._dead_message())
+        loop = asyncio.get_running_loop()
+        prefix = prefix or uuid.uuid4().hex
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        ids = [f"{prefix}-{i}" for i in range(len(entries))]
+        group = RequestGroup(self, loop, ids)
+        commands = [_Add(group, i, rid, list(p), sp, arrival) for i, (rid, (p, sp)) in enumerate(zip(ids, entries))]
+        with self._cond:
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_pending_adds + self._engine_waiting + len(entries) > limit:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {self._num_pending_adds + self._engine_waiting} requests are "
+                    f"waiting (--max-waiting-requests {limit}); retry later")
+            self._num_pending_adds += len(commands)
+            self._commands.extend(commands)
+            self._cond.notify_all()
+        await group.wait_accepted()
+        return group
+
+    def _push(self, commands: list[_Add | _Abort]) -> None:
+        with self._cond:
+            self._commands.extend(commands)
+            self._cond.notify_all()
+
+    def _dead_message(self) -> str:
+        if self.error is not None:
+            return f"the engine loop has died: {type(self.error).__name__}: {self.error}"
+        return "the engine is not running"
+
+    # ------------------------------------------------------------ the engine thread
+    def _take_commands(self) -> list[_Add | _Abort]:
+        with self._cond:
+            while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        engine = self.engine
+        num_aborted = 0
+        try:
+            for cmd in commands:
+                if isinstance(cmd, _Add):
+                    try:
+                        engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
+                                           arrival_time=cmd.arrival_time)
+                    except ValueError as exc:
+                        self._call(cmd.group, cmd.group._on_added, cmd.index,
+                                   RequestRejectedError(cmd.index, str(exc)))
+                        continue
+                    self._routes[cmd.request_id] = (cmd.group, cmd.index)
+                    self._call(cmd.group, cmd.group._on_added, cmd.index, None)
+                else:
+                    self._routes.pop(cmd.request_id, None)
+                    if engine.abort_request(cmd.request_id):
+                        num_aborted += 1
+        finally:
+            adds = sum(isinstance(c, _Add) for c in commands)
+            with self._cond:
+                self._num_pending_adds -= adds
+                self._engine_waiting = len(engine.scheduler.waiting)
+        if num_aborted:
+            self.num_aborted += num_aborted
+            if self.observer is not None:
+                self.observer.on_abort(engine, num_aborted)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
+        engine = self.engine
+        try:
+            while True:
+                commands = self._take_commands()
+                if self._stop:
+                    self._fail_all(EngineDeadError("the server is shutting down"), commands)
+                    return
+                self._apply(commands)
+                if not engine.has_unfinished_requests():
+                    continue
+                stats = engine.iteration_stats
+                last = stats[-1] if stats else None
+                outputs = engine.step()
+                new_stats = stats[-1] if stats and stats[-1] is not last else None
+                with self._cond:
+                    self._engine_waiting = len(engine.scheduler.waiting)
+                if self.observer is not None:
+                    try:
+                        self.observer.on_step(engine, outputs, new_stats)
+                    except Exception:  # metrics must never take the engine down
+                        log.exception("metrics observer failed")
+                self._dispatch(outputs)
+                if not outputs and new_stats is None:
+                    time.sleep(0.001)  # nothing could be scheduled; do not spin
+        except BaseException as exc:
+            self.error = exc
+            log.exception("the engine loop died")
+            with self._cond:
+                commands, self._commands = self._commands, []
+            self._fail_all(EngineDeadError(self._dead_message()), commands)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_group: dict[int, tuple[RequestGroup, list]] = {}
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # aborted meanwhile
+            group, index = route
+            if out.finished:
+                del self._routes[out.request_id]
+            by_group.setdefault(id(group), (group, []))[1].append((index, out))
+        for group, items in by_group.values():
+            self._call(group, group._deliver, items)
+
+    def _fail_all(self, error: BaseException, pending: list[_Add | _Abort]) -> None:
+        groups = {id(g): g for g, _ in self._routes.values()}
+        groups.update({id(c.group): c.group for c in pending if isinstance(c, _Add)})
+        self._routes.clear()
+        with self._cond:
+            self._num_pending_adds = 0
+        for group in groups.values():
+            self._call(group, group._fail, error)
+
+    @staticmethod
+    def _call(group: RequestGroup, fn, *args) -> None:
+        try:
+            group._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that event loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,175 @@
+"""Prometheus metrics, named like vLLM's with a `carpool:` prefix so its dashboards map over
+(`vllm:time_to_first_token_seconds` -> `carpool:time_to_first_token_seconds`, ...).
+
+Everything is recorded on the engine thread right after each step (`on_step`), from the
+per-request timestamps the engine keeps (arrival, first scheduled, every token, finished), so
+the numbers are the engine's own, not the HTTP layer's.
+
+Generation stalls (`carpool:generation_stalls_total`): a stall is counted whenever a running
+request's gap between two consecutive output tokens exceeds STALL_FACTOR (5) times the median
+iteration time of the last STALL_WINDOW (256) iterations. Those are the user-visible hiccups
+that Sarathi-Serve's stall-free batching aims to remove (a long prefill or a preemption
+recompute landing between two decodes). No stall is counted before MIN_HISTORY iterations.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from carpool.outputs import RequestOutput
+
+STALL_FACTOR = 5.0
+STALL_WINDOW = 256
+MIN_HISTORY = 8
+
+# Buckets as in vLLM's metrics.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+PREFIX = "carpool:"
+
+disable_created_metrics()  # no `*_created` series beside every counter (vLLM's output has none)
+
+
+def buckets_1_2_5(maximum: int) -> list[int]:
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > maximum:
+                return out
+            out.append(v)
+        exp += 1
+
+
+class ServerMetrics:
+    FINISH_REASONS = ("stop", "length", "abort", "error")
+
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, L, name = self.registry, ["model_name"], model_name
+
+        def gauge(n, doc):
+            return Gauge(PREFIX + n, doc, L, registry=r).labels(name)
+
+        def counter(n, doc):
+            return Counter(PREFIX + n, doc, L, registry=r).labels(name)
+
+        def hist(n, doc, buckets):
+            return Histogram(PREFIX + n, doc, L, buckets=buckets, registry=r).labels(name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc",
+                                     "Same as kv_cache_usage_perc (older vLLM name, for old dashboards).")
+        self.num_preemptions = counter("num_preemptions", "Cumulative preemptions (recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (counted at first token).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.generation_stalls = counter(
+            "generation_stalls",
+            f"Inter-token gaps longer than {STALL_FACTOR:g}x the median iteration time.")
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens (prefill + decode) per engine iteration.",
+                                     ITERATION_TOKEN_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (from arrival).", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Time per output token (older vLLM name; same observations as inter_token_latency).",
+                         ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds", "First scheduled to finish.", LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt length of finished requests.",
+                                          token_buckets)
+        self.request_generation_tokens = hist("request_generation_tokens",
+                                              "Output length of finished requests.", token_buckets)
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(name, reason) for reason in self.FINISH_REASONS}
+
+        self._durations: deque[float] = deque(maxlen=STALL_WINDOW)
+        self._seen_preemptions: int | None = None
+
+    # ------------------------------------------------------------ engine thread
+    def update_gauges(self, engine) -> None:
+        sched = engine.scheduler
+        self.num_requests_running.set(len(sched.running))
+        self.num_requests_waiting.set(len(sched.waiting))
+        usage = engine.block_manager.usage
+        self.kv_cache_usage.set(usage)
+        self.gpu_cache_usage.set(usage)
+        total = sched.num_preemptions
+        if self._seen_preemptions is None:
+            self._seen_preemptions = 0
+        if total > self._seen_preemptions:
+            self.num_preemptions.inc(total - self._seen_preemptions)
+        self._seen_preemptions = total
+
+    def stall_threshold(self) -> float | None:
+        if len(self._durations) < MIN_HISTORY:
+            return None
+        return STALL_FACTOR * statistics.median(self._durations)
+
+    def on_step(self, engine, outputs: list[RequestOutput], stats) -> None:
+        if stats is not None:
+            self._durations.append(stats.duration)
+            self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
+        threshold = self.stall_threshold()
+        for out in outputs:
+            self._observe_output(out, threshold)
+        self.update_gauges(engine)
+
+    def on_abort(self, engine, num_aborted: int) -> None:
+        self.request_success["abort"].inc(num_aborted)
+        self.update_gauges(engine)
+
+    def _observe_output(self, out: RequestOutput, threshold: float | None) -> None:
+        m = out.metrics
+        n_new = len(out.new_token_ids)
+        if m is None:
+            return
+        times = m.token_times
+        if n_new:
+            self.generation_tokens.inc(n_new)
+            k = len(times)
+            if k == n_new:  # the first token(s) of this request
+                self.ttft.observe(times[0] - m.arrival_time)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            for i in range(max(1, k - n_new), k):
+                gap = times[i] - times[i - 1]
+                self.itl.observe(gap)
+                self.tpot.observe(gap)
+                if threshold is not None and gap > threshold:
+                    self.generation_stalls.inc()
+        if out.finished:
+            reason = out.finish_reason if out.finish_reason in self.request_success else "error"
+            self.request_success[reason].inc()
+            end = m.finished_time
+            if end is not None:
+                self.e2e.observe(end - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                    self.inference_time.observe(end - m.first_scheduled_time)
+                    if times:
+                        self.prefill_time.observe(times[0] - m.first_scheduled_time)
+                if times:
+                    self.decode_time.observe(end - times[0])
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.observe(len(out.token_ids))
+
+    # ------------------------------------------------------------ exposition
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

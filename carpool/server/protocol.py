@@ -1,0 +1,234 @@
+"""OpenAI request bodies as pydantic models, and the OpenAI-style error bodies for bad ones.
+
+Every way a request can be wrong ends in `APIError`, which the server turns into
+`{"error": {"message", "type", "param", "code"}}` with an HTTP status, so clients built for the
+OpenAI API (the official `openai` package included) see the errors they expect.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param, self.code)
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------- request models
+# Strict: a string is not a number, a bool is not an int, 1.5 is not an int.
+StrictInt = Annotated[int, Field(strict=True)]
+TokenIds = list[StrictInt]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
+
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    min_tokens: StrictInt = Field(0, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted for compatibility; any value that would change the result is refused below.
+    logit_bias: dict[str, float] | None = None
+    best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if any(s == "" for s in stops):
+                raise ValueError("stop: stop strings must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens: must not exceed max_tokens")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        p = self.prompt
+        if isinstance(p, str):
+            if not p:
+                raise ValueError("prompt: must not be empty")
+        elif not p:
+            raise ValueError("prompt: must not be empty")
+        elif isinstance(p[0], str):
+            if any(not s for s in p):
+                raise ValueError("prompt: prompts must not be empty")
+        elif isinstance(p[0], list):
+            if any(not ids for ids in p):
+                raise ValueError("prompt: token-id prompts must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools: not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
+# ---------------------------------------------------------------- parsing
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a raw JSON body, or raise APIError(400) naming the offending field."""
+    if not body.strip():
+        raise APIError("the request body is empty; send a JSON object", param=None)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    kind = err.get("type", "")
+    loc = [str(x) for x in err.get("loc", ())]
+    msg = err.get("msg", "invalid value")
+    if kind == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}")
+    if kind == "model_type" and not loc:
+        return APIError("the request body must be a JSON object")
+    if kind == "value_error" and not loc:
+        # Our own model validators: "field: message".
+        text = msg.removeprefix("Value error, ")
+        field, sep, rest = text.partition(": ")
+        if sep and field.replace("_", "").isalnum():
+            return APIError(f"{field}: {rest}", param=field)
+        return APIError(text)
+    # Union members add their type names to the location; keep the real path only.
+    path = [x for x in loc if not _is_type_tag(x)]
+    param = path[0] if path else None
+    where = ".".join(path) or "body"
+    if kind == "missing":
+        return APIError(f"{where}: field required", param=param)
+    return APIError(f"{where}: {msg}", param=param)
+
+
+def _is_type_tag(x: str) -> bool:
+    return x in ("str", "int", "float", "bool") or x.startswith(("list[", "function-", "constrained-"))

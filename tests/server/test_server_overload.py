@@ -1,0 +1,88 @@
+"""A server with one running slot and --max-waiting-requests 1: overload answers 503 at once,
+and a dead engine loop turns /health to 503 (this module's server ends dead, so it is its own)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+MODEL_NAME = "smol"
+LONG = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def limited(server_factory):
+    return server_factory({"max_num_seqs": 1}, max_waiting_requests=1)
+
+
+def first_data_line(response: httpx.Response) -> str:
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            return line
+    raise AssertionError("the stream ended without data")
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_overload_gets_503_with_retry_after_immediately(limited):
+    url = limited.v1 + "/completions"
+    with httpx.Client(timeout=30) as a_http, httpx.Client(timeout=30) as b_http:
+        with a_http.stream("POST", url, json={**LONG, "stream": True}) as a:
+            assert a.status_code == 200
+            first_data_line(a)  # A is running and holds the only slot
+            with b_http.stream("POST", url, json={**LONG, "stream": True}) as b:
+                assert b.status_code == 200  # B is accepted and waits
+                assert wait_for(lambda: limited.metric("carpool:num_requests_waiting") == 1)
+                start = time.monotonic()
+                r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+                print("C", r.status_code, time.monotonic() - start, r.text[:300], limited.server.async_engine.num_waiting)
+                assert time.monotonic() - start < 2.0  # refused at once, not queued
+                assert r.status_code == 503
+                assert r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["code"] == "overloaded"
+                client = openai.OpenAI(base_url=limited.v1, api_key="x", max_retries=0)
+                with pytest.raises(openai.InternalServerError) as e:
+                    client.chat.completions.create(model=MODEL_NAME, stream=True, max_tokens=2,
+                                                   messages=[{"role": "user", "content": "Hi"}])
+                assert e.value.status_code == 503
+    # Both clients left: their requests are aborted and the server takes work again.
+    assert limited.wait_idle()
+    r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_dead_engine_loop(limited, monkeypatch):
+    url = limited.v1 + "/completions"
+    client = openai.OpenAI(base_url=limited.v1, api_key="x", max_retries=0, timeout=30)
+    assert httpx.get(limited.url + "/health").status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        stream = iter(client.completions.create(model=MODEL_NAME, stream=True, **LONG))
+        next(stream)  # running
+        waiting = pool.submit(httpx.post, url, json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert wait_for(lambda: limited.server.async_engine.num_waiting == 1)
+
+        def boom():
+            raise RuntimeError("scheduler exploded")
+
+        monkeypatch.setattr(limited.engine.scheduler, "schedule", boom)
+        with pytest.raises(openai.APIError) as e:
+            for _ in stream:
+                pass
+        assert "scheduler exploded" in str(e.value)
+        r = waiting.result()
+    assert r.status_code == 500 and "scheduler exploded" in r.json()["error"]["message"]
+    health = httpx.get(limited.url + "/health")
+    assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

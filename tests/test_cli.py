@@ -1,0 +1,35 @@
+"""The command line on the embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args, stdin=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "carpool.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_generate_streams_an_answer():
+    r = run_cli("generate", "What is the capital of France?", "--max-tokens", "16", "--num-threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_chat_session():
+    r = run_cli("chat", "--max-tokens", "12", "--num-threads", "1", stdin="What is 2+2?\n/reset\nSay hi.\n")
+    assert r.returncode == 0, r.stderr
+    answers = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(answers) >= 2 and "4" in r.stdout
+
+
+def test_bad_flag_values_give_clear_errors():
+    r = run_cli("generate", "hi", "--max-tokens", "0")
+    assert r.returncode == 2 and "max_tokens" in r.stderr
+    r = run_cli("generate", "hi", "--dtype", "int3")
+    assert r.returncode == 2 and "dtype" in r.stderr
+    r = run_cli("generate", "hi", "--scheduler", "magic")
+    assert r.returncode == 2 and "magic" in r.stderr

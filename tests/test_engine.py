@@ -1,0 +1,209 @@
+"""LLMEngine behaviour on the embedded model: batching, preemption, stops, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.llm import LLM
+from carpool.sampling_params import SamplingParams
+from tests.helpers import run_greedy, scheduler_config
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()
+
+
+def varied_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompts of different lengths (5..~110 tokens)."""
+    return [tokenizer.encode(f"Story {i}: " + " ".join(WORDS[j % len(WORDS)] for j in range(3 + 7 * i)))
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_fp32):
+    return varied_prompts(engine_fp32.tokenizer, 16)
+
+
+@pytest.fixture(scope="module")
+def alone(engine_fp32, prompts):
+    return [run_greedy(engine_fp32, [p], 16)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("budget", [32, 128, 512])
+def test_batch_invariance(engine_fp32, prompts, alone, budget):
+    with scheduler_config(engine_fp32, budget=budget):
+        together = run_greedy(engine_fp32, prompts, 16)
+        stats = list(engine_fp32.iteration_stats)[-10:]
+    assert together == alone
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in stats)
+    assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
+
+
+def test_preemption_keeps_outputs(engine_fp32, prompts, alone):
+    before = engine_fp32.scheduler.num_preemptions
+    with scheduler_config(engine_fp32, budget=128, num_blocks=24) as engine:  # 384 tokens for ~1.4k needed
+        out = run_greedy(engine, prompts, 16)
+        preemptions = engine.scheduler.num_preemptions
+        assert engine.block_manager.num_free_blocks == 24
+    assert out == alone
+    assert preemptions > 0
+    assert engine_fp32.scheduler.num_preemptions == before
+
+
+def test_seeded_sampling_is_batch_invariant(engine_fp32, prompts):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    solo = engine_fp32.add_request(prompts[3], sp)
+    while engine_fp32.has_unfinished_requests():
+        engine_fp32.step()
+    crowd = [engine_fp32.add_request(p, SamplingParams(max_tokens=12, temperature=1.0)) for p in prompts[:6]]
+    again = engine_fp32.add_request(prompts[3], sp)
+    while engine_fp32.has_unfinished_requests():
+        engine_fp32.step()
+    assert again.output_token_ids == solo.output_token_ids
+    assert len(crowd) == 6
+
+
+def test_stop_conditions(engine_fp32):
+    tok = engine_fp32.tokenizer
+    prompt = tok.encode("Count: 1, 2, 3, 4, 5,")
+    free = run_greedy(engine_fp32, [prompt], 20)[0]
+    free_text = tok.decode(free)
+    llm_like = engine_fp32
+    # A stop string that occurs in the greedy continuation truncates the text before it.
+    stop = free_text.strip().split()[2]
+    r = llm_like.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop=[stop]))
+    # A stop token id ends generation and is the stop reason.
+    r2 = llm_like.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[free[4]]))
+    # min_tokens suppresses the stop token until reached.
+    r3 = llm_like.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[free[0]], min_tokens=3))
+    texts = {}
+    while llm_like.has_unfinished_requests():
+        for o in llm_like.step():
+            texts.setdefault(o.request_id, "")
+            texts[o.request_id] += o.new_text
+            if o.finished:
+                texts[o.request_id + "/final"] = o
+    final = texts[r.request_id + "/final"]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert stop not in final.text and free_text.startswith(final.text)
+    assert texts[r.request_id] == final.text  # the streamed deltas never showed the stop string
+    assert r2.stop_reason == free[4] and r2.output_token_ids[-1] == free[4]
+    assert len(r2.output_token_ids) == free.index(free[4]) + 1
+    assert r3.num_output_tokens >= 3 and r3.output_token_ids[0] != free[0]
+
+
+def test_max_tokens_and_logprobs(engine_fp32):
+    r = engine_fp32.add_request("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))
+    outs = []
+    while engine_fp32.has_unfinished_requests():
+        outs += engine_fp32.step()
+    assert r.finish_reason == "length" and r.num_output_tokens == 5
+    final = outs[-1]
+    assert len(final.logprobs) == 5
+    for tok_id, lp in zip(final.token_ids, final.logprobs):
+        assert tok_id in lp and 2 <= len(lp) <= 4
+        assert lp[tok_id] == max(lp.values())  # greedy picks the most likely token
+    m = final.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.token_times[0] <= m.token_times[-1] <= m.finished_time
+
+
+def test_eos_stops_unless_ignored(engine_fp32):
+    chat = engine_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                     add_generation_prompt=True, tokenize=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    stopped = engine_fp32.add_request(chat, SamplingParams(max_tokens=64, temperature=0))
+    while engine_fp32.has_unfinished_requests():
+        engine_fp32.step()
+    assert stopped.finish_reason == "stop" and stopped.output_token_ids[-1] in engine_fp32.eos_token_ids
+    n = stopped.num_output_tokens
+    ignored = engine_fp32.add_request(chat, SamplingParams(max_tokens=n + 3, temperature=0, ignore_eos=True))
+    while engine_fp32.has_unfinished_requests():
+        engine_fp32.step()
+    assert ignored.finish_reason == "length" and ignored.num_output_tokens == n + 3
+
+
+def test_utf8_streaming_never_splits_characters(engine_fp32):
+    prompt = engine_fp32.tokenizer.encode("Emoji and CJK: 🚗🚕🚙 汽车共享 🚗🚕🚙 汽车")
+    r = engine_fp32.add_request(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True))
+    pieces = []
+    while engine_fp32.has_unfinished_requests():
+        pieces += [o.new_text for o in engine_fp32.step()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == engine_fp32.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+
+
+def test_abort_frees_blocks_and_others_continue(engine_fp32, prompts):
+    bm = engine_fp32.block_manager
+    idle = bm.num_free_blocks
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with scheduler_config(engine_fp32, budget=32):
+        reqs = [engine_fp32.add_request(p, sp) for p in prompts[8:12]]
+        for _ in range(3):
+            engine_fp32.step()
+        assert engine_fp32.abort_request(reqs[0].request_id)  # mid-prefill or running
+        assert engine_fp32.abort_request(reqs[3].request_id)  # still waiting
+        assert not engine_fp32.abort_request("no-such-request")
+        while engine_fp32.has_unfinished_requests():
+            engine_fp32.step()
+    assert reqs[0].finish_reason == "abort" and reqs[3].finish_reason == "abort"
+    assert reqs[1].num_output_tokens == 8 and reqs[2].num_output_tokens == 8
+    assert bm.num_free_blocks == idle
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"), (dict(stop=5), "stop"), (dict(stop=["a", 3]), "stop"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_alone(engine_fp32):
+    too_long = [100] * (engine_fp32.max_model_len + 5)
+    with pytest.raises(ValueError, match="empty"):
+        engine_fp32.add_request("", SamplingParams())
+    with pytest.raises(ValueError, match="tokens"):
+        engine_fp32.add_request(too_long, SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary|token ids"):
+        engine_fp32.add_request([10**9], SamplingParams())
+    assert not engine_fp32.has_unfinished_requests()
+    assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
+
+
+def test_prompt_larger_than_kv_cache(model_path):
+    small = LLM(model_path, dtype="float32", kv_cache_memory=4 * 16 * 2 * 30 * 3 * 64 * 4)  # 4 blocks
+    assert small.engine.max_model_len == 64
+    outs = small.generate(["hi " * 100, "Hello"], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)
+    assert outs[0].finish_reason == "error" and "KV cache" in outs[0].error
+    assert outs[1].finish_reason in ("stop", "length") and outs[1].token_ids
+    assert small.engine.block_manager.num_free_blocks == 4
+
+
+def test_step_exception_fails_batch_and_engine_goes_on(engine_fp32, monkeypatch):
+    real = engine_fp32.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(batch)
+
+    monkeypatch.setattr(engine_fp32.runner, "execute", flaky)
+    bad = engine_fp32.add_request("first", SamplingParams(max_tokens=4))
+    outs = engine_fp32.step()
+    assert outs[0].finish_reason == "error" and "injected fault" in outs[0].error and bad.is_finished
+    good = engine_fp32.add_request("second", SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine_fp32.has_unfinished_requests():
+        engine_fp32.step()
+    assert good.num_output_tokens == 4
+    assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
+
+
+def test_llm_chat(engine_fp32, model_path):
+    llm = LLM.__new__(LLM)  # reuse the loaded engine
+    llm.engine, llm.tokenizer = engine_fp32, engine_fp32.tokenizer
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=24, temperature=0),
+                   use_tqdm=False)
+    assert "4" in out[0].text
