@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import ManualBatches
+from carpool.bench.synthetic import SyntheticBatches
 
 PROMPT = ("In the middle of the night, the old lighthouse keeper climbed the stairs once more, "
           "counting every step as he had done for forty years, and wondering whether the ships "
@@ -13,7 +13,7 @@ PROMPT = ("In the middle of the night, the old lighthouse keeper climbed the sta
 
 
 def last_logits(engine, ids, chunk):
-    manual = ManualBatches(engine)
+    manual = SyntheticBatches(engine)
     try:
         r = manual.new(ids)
         while r.num_computed_tokens < len(ids):
@@ -40,7 +40,7 @@ def test_chunks_sharing_a_budget_with_decodes(engine_fp32):
     full = last_logits(engine_fp32, ids, len(ids))
 
     def solo_decode(prompt, steps):
-        manual = ManualBatches(engine_fp32)
+        manual = SyntheticBatches(engine_fp32)
         try:
             r = manual.new(prompt)
             out = []
@@ -58,7 +58,7 @@ def test_chunks_sharing_a_budget_with_decodes(engine_fp32):
     steps = -(-len(ids) // (budget - len(others)))
     expected = [solo_decode(p, steps) for p in others]
 
-    manual = ManualBatches(engine_fp32)
+    manual = SyntheticBatches(engine_fp32)
     try:
         decs = [manual.new(p) for p in others]
         first = manual.run([(d, len(d.token_ids)) for d in decs])

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from carpool.engine import LLMEngine
 from carpool.model.loader import load_model
-from tests.helpers import ManualBatches, run_greedy
+from carpool.bench.synthetic import SyntheticBatches
+from tests.helpers import run_greedy
 
 VOCAB = 49152  # the embedded model's tokenizer is saved beside the weights
 
@@ -52,7 +53,7 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, kind, engine_fp32):
             out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         assert mine == out[0, len(ids):].tolist()
-    manual = ManualBatches(engine)
+    manual = SyntheticBatches(engine)
     try:
         ours_logits = manual.run([(manual.new(prompts[1]), len(prompts[1]))], all_logits=True)
     finally:

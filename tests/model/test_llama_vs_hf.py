@@ -7,7 +7,8 @@ import torch
 
 from carpool.engine import LLMEngine
 from tests.conftest import PROMPTS
-from tests.helpers import ManualBatches, run_greedy
+from carpool.bench.synthetic import SyntheticBatches
+from tests.helpers import run_greedy
 
 NEW_TOKENS = 32
 
@@ -43,7 +44,7 @@ def test_prefill_logits_fp32_close_to_transformers(engine_fp32, hf_model, prompt
     ids = prompt_ids[2]
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0]
-    manual = ManualBatches(engine_fp32)
+    manual = SyntheticBatches(engine_fp32)
     try:
         ours = manual.run([(manual.new(ids), len(ids))], all_logits=True)
     finally:
@@ -60,7 +61,7 @@ def test_bf16_top1_agreement_with_fp32(model_path, engine_fp32, prompt_ids, hf_g
         seq = ids + cont
         per_engine = []
         for engine in (engine_fp32, bf16):
-            manual = ManualBatches(engine)
+            manual = SyntheticBatches(engine)
             try:
                 per_engine.append(manual.run([(manual.new(seq), len(seq))], all_logits=True).argmax(-1))
             finally:

@@ -19,10 +19,13 @@ def limited(server_factory):
     return server_factory({"max_num_seqs": 1}, max_waiting_requests=1)
 
 
-def first_data_line(response: httpx.Response) -> str:
-    for line in response.iter_lines():
+def read_first_data_line(response: httpx.Response):
+    """Read up to the first SSE data line; return the line iterator, which must stay referenced:
+    closing it (e.g. garbage collection) closes the connection, i.e. the client disconnects."""
+    lines = response.iter_lines()
+    for line in lines:
         if line.startswith("data:"):
-            return line
+            return lines
     raise AssertionError("the stream ended without data")
 
 
@@ -40,13 +43,12 @@ def test_overload_gets_503_with_retry_after_immediately(limited):
     with httpx.Client(timeout=30) as a_http, httpx.Client(timeout=30) as b_http:
         with a_http.stream("POST", url, json={**LONG, "stream": True}) as a:
             assert a.status_code == 200
-            first_data_line(a)  # A is running and holds the only slot
+            a_lines = read_first_data_line(a)  # A is running and holds the only slot
             with b_http.stream("POST", url, json={**LONG, "stream": True}) as b:
                 assert b.status_code == 200  # B is accepted and waits
                 assert wait_for(lambda: limited.metric("carpool:num_requests_waiting") == 1)
                 start = time.monotonic()
                 r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
-                print("C", r.status_code, time.monotonic() - start, r.text[:300], limited.server.async_engine.num_waiting)
                 assert time.monotonic() - start < 2.0  # refused at once, not queued
                 assert r.status_code == 503
                 assert r.headers["Retry-After"] == "1"
@@ -56,7 +58,8 @@ def test_overload_gets_503_with_retry_after_immediately(limited):
                     client.chat.completions.create(model=MODEL_NAME, stream=True, max_tokens=2,
                                                    messages=[{"role": "user", "content": "Hi"}])
                 assert e.value.status_code == 503
-    # Both clients left: their requests are aborted and the server takes work again.
+                assert limited.engine.num_unfinished_requests == 2  # A and B still being served
+            del a_lines    # Both clients left: their requests are aborted and the server takes work again.
     assert limited.wait_idle()
     r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -67,7 +70,8 @@ def test_dead_engine_loop(limited, monkeypatch):
     client = openai.OpenAI(base_url=limited.v1, api_key="x", max_retries=0, timeout=30)
     assert httpx.get(limited.url + "/health").status_code == 200
     with ThreadPoolExecutor(1) as pool:
-        stream = iter(client.completions.create(model=MODEL_NAME, stream=True, **LONG))
+        stream = iter(client.completions.create(model=MODEL_NAME, stream=True, prompt=LONG["prompt"],
+                                                max_tokens=LONG["max_tokens"], extra_body={"ignore_eos": True}))
         next(stream)  # running
         waiting = pool.submit(httpx.post, url, json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert wait_for(lambda: limited.server.async_engine.num_waiting == 1)

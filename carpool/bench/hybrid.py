@@ -1,0 +1,232 @@
+"""`carpool bench hybrid`: the Sarathi paper's Table 2 on this machine, with the real runner.
+
+Times prefill-only (C tokens), decode-only (D requests at context L) and hybrid (C-D prefill +
+D decodes) iterations, and derives the cost of a decode token alone vs piggybacked on a prefill
+chunk. Each iteration is also put against its roofline bound from this machine's measured GEMM
+rate and memory bandwidth, and single-stream decode is compared with transformers in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from carpool.bench.synthetic import SyntheticBatches
+from carpool.config import EngineConfig
+from carpool.engine import LLMEngine
+
+
+@dataclass
+class Machine:
+    gemm_tflops: dict[str, float]
+    mem_gbs: float
+    threads: int
+
+
+def measure_machine(repeats: int = 5) -> Machine:
+    """Peak-ish GEMM rate per dtype (2048^3) and DRAM bandwidth (copy of a 512 MiB tensor)."""
+    rates = {}
+    for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+        rates[name] = 2 * 2048**3 / median_time(lambda: a @ b, repeats) / 1e12
+    src = torch.empty(128 << 20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy = median_time(lambda: dst.copy_(src), repeats)
+    return Machine(rates, 2 * src.numel() * 4 / copy / 1e9, torch.get_num_threads())
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class Roofline:
+    """Lower bound on an iteration's time: max(FLOPs / GEMM peak, bytes / DRAM bandwidth)."""
+
+    def __init__(self, engine: LLMEngine, machine: Machine):
+        cfg = engine.model_config
+        self.cfg = cfg
+        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        self.layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+        self.elt = engine.dtype.itemsize
+        self.kv_token_bytes = 2 * cfg.num_layers * kv * self.elt
+        self.peak = machine.gemm_tflops["bfloat16" if engine.dtype == torch.bfloat16 else "float32"] * 1e12
+        self.bw = machine.mem_gbs * 1e9
+
+    def bound(self, prefill_tokens: int, prefill_context: int, decodes: int, decode_context: int) -> float:
+        cfg = self.cfg
+        tokens = prefill_tokens + decodes
+        sampled = decodes + (1 if prefill_tokens else 0)
+        flops = 2 * tokens * cfg.num_layers * self.layer_params + 2 * sampled * cfg.hidden_size * cfg.vocab_size
+        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+        flops += attn * (prefill_tokens * (prefill_context + prefill_tokens / 2) + decodes * decode_context)
+        weights = (cfg.num_layers * self.layer_params + cfg.hidden_size * cfg.vocab_size) * self.elt
+        kv = self.kv_token_bytes * (prefill_context + prefill_tokens + decodes * (decode_context + 1))
+        return max(flops / self.peak, (weights + kv) / self.bw)
+
+
+def time_batch(synthetic: SyntheticBatches, grants, repeats: int) -> float:
+    """Median time of model runner + greedy sampling for one fixed batch (state is not advanced,
+    so every repeat runs exactly the same shapes)."""
+    engine = synthetic.engine
+
+    def once():
+        logits = synthetic.run(grants, advance=False)
+        logits.argmax(-1)
+
+    return median_time(once, repeats)
+
+
+def hf_single_stream(model_path: str, dtype: torch.dtype, prompt_len: int, steps: int) -> dict:
+    """transformers on the same GGUF weights: prefill time and batch-1 decode tokens/s."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    p = Path(model_path)
+    if p.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval()
+    ids = torch.randint(1000, 20000, (1, prompt_len))
+    with torch.inference_mode():
+        prefill = median_time(lambda: model(ids, use_cache=True), 3)
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        step = (time.perf_counter() - t) / steps
+    return {"prefill_s": prefill, "decode_step_s": step, "decode_tokens_per_s": 1 / step}
+
+
+def run_hybrid_bench(config: EngineConfig, args) -> dict:
+    chunks = [int(c) for c in args.chunks.split(",")]
+    decodes = [int(d) for d in args.decodes.split(",")]
+    L, repeats = args.context, args.repeats
+    config.kv_cache_memory = config.kv_cache_memory or 1 << 30
+    engine = LLMEngine(config)
+    machine = measure_machine()
+    roof = Roofline(engine, machine)
+    gen = torch.Generator().manual_seed(0)
+    synthetic = SyntheticBatches(engine)
+    vocab = engine.model_config.vocab_size
+    print(f"machine: {machine}; model dtype {engine.dtype}; threads {torch.get_num_threads()}")
+
+    contexts = [synthetic.with_cached_context(L, gen) for _ in range(max(decodes))]
+    prompt = lambda n: synthetic.new(torch.randint(vocab, (n,), generator=gen).tolist())
+
+    def prefill(n: int) -> float:
+        return time_batch(synthetic, [(prompt(n), n)], repeats)
+
+    rows = []
+    prefill_cache: dict[int, float] = {}
+    for C in chunks:
+        prefill_cache.setdefault(C, prefill(C))
+        for D in decodes:
+            if D >= C:
+                continue
+            prefill_cache.setdefault(C - D, prefill(C - D))
+            decode_only = time_batch(synthetic, [(r, 1) for r in contexts[:D]], repeats)
+            hybrid = time_batch(synthetic, [(r, 1) for r in contexts[:D]] + [(prompt(C - D), C - D)], repeats)
+            row = {
+                "C": C, "D": D, "L": L,
+                "prefill_only_s": prefill_cache[C],
+                "decode_only_s": decode_only,
+                "hybrid_s": hybrid,
+                "decode_token_alone_s": decode_only / D,
+                "decode_token_piggybacked_s": max(0.0, hybrid - prefill_cache[C - D]) / D,
+                "prefill_roofline_frac": roof.bound(C, 0, 0, 0) / prefill_cache[C],
+                "decode_roofline_frac": roof.bound(0, 0, D, L) / decode_only,
+                "hybrid_roofline_frac": roof.bound(C - D, 0, D, L) / hybrid,
+            }
+            row["piggyback_ratio"] = row["decode_token_piggybacked_s"] / row["decode_token_alone_s"]
+            rows.append(row)
+            print(f"C={C:4d} D={D:3d}: prefill {prefill_cache[C]*1e3:7.1f} ms  decode {decode_only*1e3:7.1f} ms  "
+                  f"hybrid {hybrid*1e3:7.1f} ms  decode/token alone {row['decode_token_alone_s']*1e3:6.2f} ms "
+                  f"piggybacked {row['decode_token_piggybacked_s']*1e3:6.2f} ms ({row['piggyback_ratio']:.2f}x)")
+
+    # Iteration cost around the default budget: is the token count on a fast size?
+    sweep = {n: prefill(n) for n in range(480, 561, 8) if n <= engine.max_model_len}
+    sweep.update({n: prefill(n) for n in (513, 520, 528) if n <= engine.max_model_len})
+    single = [(r, 1) for r in contexts[:1]]
+    carpool_step = time_batch(synthetic, single, max(repeats, 20))
+    synthetic.close()
+
+    result = {
+        "machine": asdict(machine),
+        "model": config.model, "dtype": str(engine.dtype), "context": L, "repeats": repeats,
+        "rows": rows,
+        "token_count_sweep_s": sweep,
+        "single_stream": {"carpool_decode_step_s": carpool_step, "carpool_tokens_per_s": 1 / carpool_step},
+    }
+    if not args.no_hf:
+        result["single_stream"]["transformers"] = hf_single_stream(config.model, engine.dtype, L, 32)
+    write_outputs(result, Path(args.output))
+    return result
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hybrid.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"Machine: bf16 GEMM {result['machine']['gemm_tflops']['bfloat16']:.2f} TFLOP/s, fp32 "
+        f"{result['machine']['gemm_tflops']['float32']:.2f} TFLOP/s, DRAM {result['machine']['mem_gbs']:.1f} GB/s, "
+        f"{result['machine']['threads']} threads; model dtype {result['dtype']}, L = {result['context']}.",
+        "",
+        "| C | D | prefill-only ms | decode-only ms | hybrid ms | decode/token alone ms | piggybacked ms | ratio | "
+        "roofline frac (prefill / decode / hybrid) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['C']} | {r['D']} | {r['prefill_only_s']*1e3:.1f} | {r['decode_only_s']*1e3:.1f} | "
+            f"{r['hybrid_s']*1e3:.1f} | {r['decode_token_alone_s']*1e3:.2f} | "
+            f"{r['decode_token_piggybacked_s']*1e3:.2f} | {r['piggyback_ratio']:.2f} | "
+            f"{r['prefill_roofline_frac']:.2f} / {r['decode_roofline_frac']:.2f} / {r['hybrid_roofline_frac']:.2f} |")
+    lines += ["", "| tokens in iteration | ms | us/token |", "|---|---|---|"]
+    for n, s in sorted(result["token_count_sweep_s"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {n} | {s*1e3:.1f} | {s/int(n)*1e6:.1f} |")
+    ss = result["single_stream"]
+    lines += ["", f"Single-stream decode (context {result['context']}): carpool "
+                  f"{ss['carpool_tokens_per_s']:.1f} tokens/s"]
+    if "transformers" in ss:
+        hf = ss["transformers"]
+        lines[-1] += (f"; transformers {hf['decode_tokens_per_s']:.1f} tokens/s "
+                      f"({ss['carpool_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x). "
+                      f"Prefill of {result['context']} tokens: transformers {hf['prefill_s']*1e3:.0f} ms.")
+    (out / "hybrid.md").write_text("\n".join(lines) + "\n")
+    plot(result, out / "hybrid.png")
+    print("\n".join(lines))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"C={r['C']}\nD={r['D']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["decode_token_alone_s"] * 1e3 for r in rows], 0.4, label="decode-only")
+    ax.bar([i + 0.2 for i in x], [r["decode_token_piggybacked_s"] * 1e3 for r in rows], 0.4, label="piggybacked")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("ms per decode token")
+    ax.set_title(f"Decode token cost alone vs piggybacked ({result['dtype']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,120 @@
+"""`carpool serve` as a real process: CLI flags, --api-key, and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+KEY = "sekret"
+SHUTDOWN_TIMEOUT = 4.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def proc():
+    port = free_port()
+    cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--api-key", KEY,
+           "--served-model-name", "tiny", "alias", "--dtype", "float32", "--num-threads", "1",
+           "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if p.poll() is not None:
+            pytest.fail(f"carpool serve exited with {p.returncode}:\n{p.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            p.kill()
+            pytest.fail("carpool serve did not become healthy")
+        time.sleep(0.2)
+    yield p, url
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def test_api_key(proc):
+    _, url = proc
+    r = httpx.get(url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+    out = client.completions.create(model="alias", prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.model == "tiny" and out.usage.completion_tokens == 3
+
+
+class StreamReader(threading.Thread):
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.chunks: list[dict] = []
+        self.done = False
+        self.error: Exception | None = None
+        self.started = threading.Event()
+
+    def run(self):
+        body = {"prompt": "Once upon a time", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+                with http.stream("POST", self.url + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            self.done = True
+                        elif line.startswith("data:"):
+                            self.chunks.append(json.loads(line[5:]))
+                            self.started.set()
+        except Exception as exc:  # the long stream gets cut off at the shutdown timeout
+            self.error = exc
+        finally:
+            self.started.set()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(proc):
+    p, url = proc
+    short, long = StreamReader(url, 12), StreamReader(url, 1000)
+    short.start()
+    long.start()
+    assert short.started.wait(30) and long.started.wait(30)
+    assert short.chunks and long.chunks
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.TransportError):  # no longer accepting connections
+        httpx.get(url + "/health", timeout=2)
+    short.join(30)
+    assert short.error is None and short.done, short.error
+    assert short.chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert short.chunks[-1]["usage"]["completion_tokens"] == 12  # finished in full
+    assert p.wait(timeout=60) == 0
+    elapsed = time.monotonic() - t0
+    assert elapsed < SHUTDOWN_TIMEOUT + 10
+    long.join(10)
+    assert not long.done  # 1000 tokens do not fit in the shutdown timeout: cut off, not awaited forever
+    assert len(long.chunks) < 1000
