@@ -63,7 +63,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.iteration_stats: deque[IterationStats] = deque(maxlen=1_000_000)
+        self.iteration_stats: deque[IterationStats] = deque(maxlen=100_000)
         self._ids = itertools.count()
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
@@ -110,13 +110,13 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown)."""
         request = self.requests.pop(request_id, None)
         if request is None or request.is_finished:
-            return False
+            return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.outputs.make_output(request)  # drops its detokenizer state
-        return True
+        return self.outputs.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

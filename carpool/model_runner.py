@@ -8,7 +8,7 @@ import torch
 from carpool.config import ModelConfig
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
-from carpool.model.llama import LlamaModel
+from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
@@ -21,6 +21,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype):
         self.model = model
+        if can_pack_linears(device, dtype):
+            pack_linears_for_cpu(model)
         self.block_size = block_size
         self.device = device
         attn = model.layers[0].self_attn

@@ -10,6 +10,9 @@ from carpool.tokenizer import IncrementalDetokenizer
 
 @dataclass
 class RequestMetrics:
+    """Timestamps (time.monotonic) of one request. `token_times` is the request's live list,
+    not a copy (copying it every step would cost O(tokens^2)): copy it to keep a snapshot."""
+
     arrival_time: float
     first_scheduled_time: float | None
     token_times: list[float]

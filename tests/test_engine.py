@@ -140,9 +140,9 @@ def test_abort_frees_blocks_and_others_continue(engine_fp32, prompts):
         reqs = [engine_fp32.add_request(p, sp) for p in prompts[8:12]]
         for _ in range(3):
             engine_fp32.step()
-        assert engine_fp32.abort_request(reqs[0].request_id)  # mid-prefill or running
+        assert engine_fp32.abort_request(reqs[0].request_id).finish_reason == "abort"  # running
         assert engine_fp32.abort_request(reqs[3].request_id)  # still waiting
-        assert not engine_fp32.abort_request("no-such-request")
+        assert engine_fp32.abort_request("no-such-request") is None
         while engine_fp32.has_unfinished_requests():
             engine_fp32.step()
     assert reqs[0].finish_reason == "abort" and reqs[3].finish_reason == "abort"

@@ -25,7 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
+        if x.dtype != torch.float32:  # one fused kernel (fp32 inside); 8 small ops cost more at decode
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # fp32: exactly the reference implementation's arithmetic, so outputs match it bit for bit.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -73,6 +75,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class PackedLinear(nn.Module):
+    """A bias-free linear layer whose weight oneDNN has pre-packed into its blocked layout.
+    On CPU in bf16 this skips a per-call weight reorder: decode GEMVs run ~1.5x faster and
+    larger GEMMs bit-identically (measured; see BENCHMARKS.md)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Swap every nn.Linear for a PackedLinear (CPU, bf16 only); returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child))
+    return len(swaps)
+
+
+def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class TensorParallel:
     """Rank and group of this shard; a no-op when tp_size == 1."""
 
@@ -105,9 +136,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))

@@ -83,6 +83,8 @@ class RequestGroup:
         self.request_ids = request_ids
         self._queue: asyncio.Queue = asyncio.Queue()
         self._accepted = loop.create_future()
+        # Mark a failure as retrieved even if the handler is gone (no "never retrieved" noise).
+        self._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._num_added = 0
         self._finished: set[int] = set()
         self._aborted = False

@@ -91,6 +91,14 @@ def test_n_choices_use_seed_plus_index(served, client):
     assert multi.usage.prompt_tokens == len(tokenize(served, prompt="Once upon a time"))  # once, not n times
     singles = [client.completions.create(seed=5 + i, **kw).choices[0].text for i in range(3)]
     assert [c.text for c in multi.choices] == singles
+    texts = ["", "", ""]
+    finishes = []
+    for chunk in client.completions.create(n=3, seed=5, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes.append(c.index)
+    assert texts == singles and sorted(finishes) == [0, 1, 2]
 
 
 def test_seed_reproducibility(client):
@@ -167,6 +175,14 @@ def test_chat_usage_and_streaming(served, client):
     assert text == msg.content
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_chat_echo_of_a_partial_assistant_turn(client):
+    messages = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                         extra_body={"echo": True})
+    assert out.choices[0].message.content.startswith("The answer is")
+    assert len(out.choices[0].message.content) > len("The answer is")
 
 
 def test_chat_template_is_applied(served):

@@ -1,0 +1,73 @@
+"""ServerMetrics from fake engine state: no model needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from carpool.engine import IterationStats
+from carpool.outputs import RequestMetrics, RequestOutput
+from carpool.server.metrics import MIN_HISTORY, STALL_FACTOR, ServerMetrics
+
+
+def fake_engine(running=0, waiting=0, preemptions=0, usage=0.0):
+    return SimpleNamespace(scheduler=SimpleNamespace(running=[None] * running, waiting=[None] * waiting,
+                                                     num_preemptions=preemptions),
+                           block_manager=SimpleNamespace(usage=usage))
+
+
+def output(times, n_new=1, finished=False, reason=None, prompt_len=5):
+    metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, token_times=list(times),
+                             finished_time=times[-1] if finished else None, num_preemptions=0)
+    return RequestOutput("r", None, [1] * prompt_len, "x", [7] * n_new, "x" * len(times), [7] * len(times),
+                         finished, reason, metrics=metrics)
+
+
+def stats(duration):
+    return IterationStats(0.0, duration, 0, 1, 1, 0)
+
+
+def sample(m: ServerMetrics, name: str, **labels) -> float:
+    value = m.registry.get_sample_value(name, {"model_name": "m", **labels})
+    return 0.0 if value is None else value
+
+
+def test_stalls_ttft_and_gauges():
+    m = ServerMetrics("m", 2048)
+    engine = fake_engine(running=1, waiting=2, preemptions=3, usage=0.25)
+    # First token at 0.5 s: TTFT 0.5, prompt tokens counted once.
+    m.on_step(engine, [output([0.5])], stats(0.01))
+    assert sample(m, "carpool:time_to_first_token_seconds_count") == 1
+    assert sample(m, "carpool:time_to_first_token_seconds_sum") == 0.5
+    assert sample(m, "carpool:prompt_tokens_total") == 5
+    assert sample(m, "carpool:num_requests_waiting") == 2
+    assert sample(m, "carpool:kv_cache_usage_perc") == 0.25
+    assert sample(m, "carpool:num_preemptions_total") == 3
+    # A long gap before there is enough history is not judged.
+    m.on_step(engine, [output([0.5, 1.5])], stats(0.01))
+    assert sample(m, "carpool:generation_stalls_total") == 0
+    for _ in range(MIN_HISTORY):
+        m.on_step(engine, [], stats(0.01))
+    times = [0.5, 1.5]
+    ok_gap = 0.01 * STALL_FACTOR * 0.9
+    times.append(times[-1] + ok_gap)
+    m.on_step(engine, [output(times)], stats(0.01))
+    assert sample(m, "carpool:generation_stalls_total") == 0
+    times.append(times[-1] + 0.01 * STALL_FACTOR * 1.5)
+    m.on_step(fake_engine(preemptions=5), [output(times, finished=True, reason="length")], stats(0.01))
+    assert sample(m, "carpool:generation_stalls_total") == 1
+    assert sample(m, "carpool:inter_token_latency_seconds_count") == 3
+    assert sample(m, "carpool:generation_tokens_total") == 4
+    assert sample(m, "carpool:num_preemptions_total") == 5  # counter follows the engine's total
+    assert sample(m, "carpool:request_success_total", finished_reason="length") == 1
+    assert sample(m, "carpool:e2e_request_latency_seconds_count") == 1
+    assert sample(m, "carpool:request_queue_time_seconds_sum") == 0.1
+    assert sample(m, "carpool:num_requests_running") == 0
+    assert sample(m, "carpool:iteration_tokens_total_count") == MIN_HISTORY + 4
+
+
+def test_abort_counts():
+    m = ServerMetrics("m", 2048)
+    m.on_abort(fake_engine(), 2)
+    assert sample(m, "carpool:request_success_total", finished_reason="abort") == 2
+    text = m.render()[0].decode()
+    assert "carpool:generation_stalls_total" in text and "_created" not in text
