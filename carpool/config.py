@@ -57,6 +57,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def keep_freed_memory_in_process() -> bool:
+    """Stop glibc from returning large freed blocks to the OS after every use.
+
+    Each step allocates and frees the same multi-MB activations; by default glibc serves them
+    with fresh mmap()s, so every step page-faults its working set back in (measured: a decode
+    attention at 32 x 512 tokens went from 8 ms to 1.4 ms with this). Raising the mmap and trim
+    thresholds makes freed memory reusable instead. No-op where libc is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

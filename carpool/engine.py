@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from carpool.config import EngineConfig, default_kv_cache_memory, resolve_device, resolve_dtype
+from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_memory_in_process,
+                            resolve_device, resolve_dtype)
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
 from carpool.model.loader import is_gguf, load_model, open_gguf
@@ -40,6 +41,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()
         self.dtype = resolve_dtype(config.dtype, self.device)
         reader = open_gguf(config.model) if is_gguf(config.model) else None
         self.model = load_model(config.model, self.dtype, self.device, gguf_reader=reader)
@@ -57,8 +60,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings,
                                  self.block_manager.capacity_tokens)
-        self.scheduler = make_scheduler(config.scheduler, self.block_manager,
-                                        config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = make_scheduler(config.scheduler, self.block_manager, config.max_num_batched_tokens,
+                                        config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from carpool.config import ModelConfig
+from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
@@ -26,15 +27,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         attn = model.layers[0].self_attn
-        # [layers, K/V, slots, kv_heads, head_dim]: a slot is one token's KV in one layer. Slots
-        # are written before they are read, so the cache starts uninitialised (fast), except one
-        # extra zeroed slot at the end that padded decode contexts point at.
-        self.pad_slot = num_blocks * block_size
-        self.kv_cache = torch.empty(model.num_local_layers, 2, self.pad_slot + 1,
+        # [layers, K/V, slots, kv_heads, head_dim]: a slot is one token's KV in one layer; block b
+        # is slots [b * block_size, (b + 1) * block_size). Slots are written before they are read,
+        # so the cache starts uninitialised (fast), except one extra zeroed block at the end that
+        # padded block tables point at.
+        self.pad_block = num_blocks
+        self.kv_cache = torch.empty(model.num_local_layers, 2, (num_blocks + 1) * block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
-        self.kv_cache[:, :, self.pad_slot].zero_()
+        self.kv_cache[:, :, num_blocks * block_size:].zero_()
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
+    def slots_for(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
         table = np.asarray(block_ids, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -45,44 +47,42 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        decode_ctx: list[np.ndarray] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
-        dev = self.device
+        dev, bs = self.device, self.block_size
         for req, n in zip(batch.requests, batch.num_tokens):
             start = req.num_computed_tokens
+            ctx = start + n
             row = len(ids)
-            ids.extend(req.token_ids[start:start + n])
-            positions.append(np.arange(start, start + n))
-            slots.append(self._slots(req.block_ids, start, start + n))
+            ids.extend(req.token_ids[start:ctx])
+            positions.append(np.arange(start, ctx))
+            slots.append(self.slots_for(req.block_ids, start, ctx))
             if req.is_decode:
-                decode_ctx.append(self._slots(req.block_ids, 0, start + 1))
+                decode_tables.append(req.block_ids[:blocks_for(ctx, bs)])
+                decode_lens.append(ctx)
             elif start == 0:
-                prefills.append(PrefillChunk(row, row + n, 0, None, None))
+                prefills.append(PrefillChunk(row, row + n, None, None))
             else:
-                ctx = start + n
-                mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-                prefills.append(PrefillChunk(row, row + n, start,
-                                             torch.from_numpy(self._slots(req.block_ids, 0, ctx)).to(dev),
-                                             mask.to(dev)))
-            if start + n == req.num_tokens:
+                table = req.block_ids[:blocks_for(ctx, bs)]
+                mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, ctx)[:, None]
+                prefills.append(PrefillChunk(row, row + n, torch.tensor(table, device=dev), mask.to(dev)))
+            if ctx == req.num_tokens:
                 sample_rows.append(row + n - 1)
 
-        decode_slots = decode_mask = None
-        if decode_ctx:
-            width = max(len(c) for c in decode_ctx)
-            padded = np.full((len(decode_ctx), width), self.pad_slot, dtype=np.int64)
-            valid = np.zeros((len(decode_ctx), width), dtype=bool)
-            for i, c in enumerate(decode_ctx):
-                padded[i, :len(c)] = c
-                valid[i, :len(c)] = True
-            decode_slots = torch.from_numpy(padded).to(dev)
-            decode_mask = torch.from_numpy(valid)[:, None, None, :].to(dev)
+        tables = mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_ctx),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            block_size=bs,
+            num_decodes=len(decode_tables),
+            decode_block_tables=tables,
+            decode_mask=mask,
             prefills=prefills,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)

@@ -16,7 +16,7 @@ def scheduler_config(engine, budget: int = 512, max_num_seqs: int = 256, num_blo
     saved = engine.scheduler, engine.block_manager
     bm = BlockManager(num_blocks or engine.block_manager.num_blocks, engine.block_manager.block_size)
     engine.block_manager = bm
-    engine.scheduler = make_scheduler(policy, bm, budget, max_num_seqs)
+    engine.scheduler = make_scheduler(policy, bm, budget, max_num_seqs, engine.max_model_len)
     try:
         yield engine
     finally:

@@ -78,8 +78,6 @@ class Roofline:
 def time_batch(synthetic: SyntheticBatches, grants, repeats: int) -> float:
     """Median time of model runner + greedy sampling for one fixed batch (state is not advanced,
     so every repeat runs exactly the same shapes)."""
-    engine = synthetic.engine
-
     def once():
         logits = synthetic.run(grants, advance=False)
         logits.argmax(-1)
@@ -87,28 +85,43 @@ def time_batch(synthetic: SyntheticBatches, grants, repeats: int) -> float:
     return median_time(once, repeats)
 
 
-def hf_single_stream(model_path: str, dtype: torch.dtype, prompt_len: int, steps: int) -> dict:
-    """transformers on the same GGUF weights: prefill time and batch-1 decode tokens/s."""
-    from transformers import AutoModelForCausalLM
+SINGLE_STREAM_PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+def carpool_single_stream(engine: LLMEngine, new_tokens: int) -> dict:
+    """Tokens/s of one request through the whole engine loop (scheduler, runner, sampler,
+    detokenizer), over its decode phase."""
+    from carpool.sampling_params import SamplingParams
+
+    ids = engine.tokenizer.encode(SINGLE_STREAM_PROMPT)
+    request = engine.add_request(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    times = request.token_times
+    return {"prompt_tokens": len(ids), "new_tokens": new_tokens,
+            "decode_tokens_per_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def hf_single_stream(model_path: str, dtype: torch.dtype, new_tokens: int) -> dict:
+    """transformers on the same GGUF weights, same prompt: a greedy loop over its KV cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.cache_utils import DynamicCache
 
     p = Path(model_path)
-    if p.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval()
-    ids = torch.randint(1000, 20000, (1, prompt_len))
+    kwargs = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
+    folder = p.parent if p.suffix == ".gguf" else p
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(folder, **kwargs).encode(SINGLE_STREAM_PROMPT)])
     with torch.inference_mode():
-        prefill = median_time(lambda: model(ids, use_cache=True), 3)
         cache = DynamicCache()
         out = model(ids, past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         t = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(new_tokens - 1):
             out = model(nxt, past_key_values=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        step = (time.perf_counter() - t) / steps
-    return {"prefill_s": prefill, "decode_step_s": step, "decode_tokens_per_s": 1 / step}
+        elapsed = time.perf_counter() - t
+    return {"decode_tokens_per_s": (new_tokens - 1) / elapsed}
 
 
 def run_hybrid_bench(config: EngineConfig, args) -> dict:
@@ -160,8 +173,6 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
     # Iteration cost around the default budget: is the token count on a fast size?
     sweep = {n: prefill(n) for n in range(480, 561, 8) if n <= engine.max_model_len}
     sweep.update({n: prefill(n) for n in (513, 520, 528) if n <= engine.max_model_len})
-    single = [(r, 1) for r in contexts[:1]]
-    carpool_step = time_batch(synthetic, single, max(repeats, 20))
     synthetic.close()
 
     result = {
@@ -169,10 +180,12 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
         "model": config.model, "dtype": str(engine.dtype), "context": L, "repeats": repeats,
         "rows": rows,
         "token_count_sweep_s": sweep,
-        "single_stream": {"carpool_decode_step_s": carpool_step, "carpool_tokens_per_s": 1 / carpool_step},
+        "single_stream": {"carpool": carpool_single_stream(engine, 128)},
     }
     if not args.no_hf:
-        result["single_stream"]["transformers"] = hf_single_stream(config.model, engine.dtype, L, 32)
+        for dtype in (engine.dtype, torch.float32) if engine.dtype != torch.float32 else (torch.float32,):
+            result["single_stream"][f"transformers_{str(dtype).removeprefix('torch.')}"] = \
+                hf_single_stream(config.model, dtype, 128)
     write_outputs(result, Path(args.output))
     return result
 
@@ -199,13 +212,12 @@ def write_outputs(result: dict, out: Path) -> None:
     for n, s in sorted(result["token_count_sweep_s"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {n} | {s*1e3:.1f} | {s/int(n)*1e6:.1f} |")
     ss = result["single_stream"]
-    lines += ["", f"Single-stream decode (context {result['context']}): carpool "
-                  f"{ss['carpool_tokens_per_s']:.1f} tokens/s"]
-    if "transformers" in ss:
-        hf = ss["transformers"]
-        lines[-1] += (f"; transformers {hf['decode_tokens_per_s']:.1f} tokens/s "
-                      f"({ss['carpool_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x). "
-                      f"Prefill of {result['context']} tokens: transformers {hf['prefill_s']*1e3:.0f} ms.")
+    ours = ss["carpool"]["decode_tokens_per_s"]
+    lines += ["", f"Single-stream decode ({ss['carpool']['prompt_tokens']}-token prompt, "
+                  f"{ss['carpool']['new_tokens']} new tokens, greedy): carpool {ours:.1f} tokens/s"]
+    for name, hf in ss.items():
+        if name.startswith("transformers"):
+            lines[-1] += f"; {name.replace('_', ' ')} {hf['decode_tokens_per_s']:.1f} tokens/s ({ours / hf['decode_tokens_per_s']:.2f}x)"
     (out / "hybrid.md").write_text("\n".join(lines) + "\n")
     plot(result, out / "hybrid.png")
     print("\n".join(lines))

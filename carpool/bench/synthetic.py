@@ -36,7 +36,7 @@ class SyntheticBatches:
         if not self.block_manager.allocate(r, context + 1):
             raise ValueError("KV cache too small for the synthetic contexts")
         runner = self.engine.runner
-        slots = torch.from_numpy(runner._slots(r.block_ids, 0, context))
+        slots = torch.from_numpy(runner.slots_for(r.block_ids, 0, context))
         cache = runner.kv_cache
         noise = torch.randn((cache.shape[0], 2, context, *cache.shape[3:]), generator=generator)
         cache[:, :, slots] = (0.5 * noise).to(cache.dtype)

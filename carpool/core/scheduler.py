@@ -61,8 +61,10 @@ class Scheduler:
 
     name = "base"
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         # Every running request needs one token per decode iteration, so more running requests
         # than the budget could never all decode together.
@@ -132,7 +134,8 @@ class Scheduler:
         straight back would only thrash."""
         if len(self.running) >= self.max_num_seqs or batch.preempted:
             return False
-        if not self.block_manager.allocate(request, request.num_computed_tokens + num_tokens):
+        reserve = max(request.num_computed_tokens + num_tokens, self.tokens_to_reserve(request, num_tokens))
+        if not self.block_manager.allocate(request, reserve):
             return False
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
@@ -141,6 +144,10 @@ class Scheduler:
         self.running.append(request)
         batch.add(request, num_tokens)
         return True
+
+    def tokens_to_reserve(self, request: Request, num_tokens: int) -> int:
+        """KV slots to hold on admission; by default only what this grant needs."""
+        return request.num_computed_tokens + num_tokens
 
     def running_decodes(self) -> list[Request]:
         return [r for r in self.running if r.is_decode]
@@ -152,6 +159,38 @@ class Scheduler:
     def still_running(requests: Iterable[Request]) -> Iterable[Request]:
         """Iterate a snapshot, skipping requests preempted earlier in the same pass."""
         return (r for r in list(requests) if r.status is RequestStatus.RUNNING)
+
+    # ------------------------------------------------------------ building blocks of policies
+    def schedule_decodes(self, batch: ScheduledBatch) -> None:
+        """One token for every running decode (preempting the newest if blocks run out)."""
+        for request in self.still_running(self.running_decodes()):
+            self.grant_running(request, 1, batch)
+
+    def continue_prefills(self, batch: ScheduledBatch) -> None:
+        """Next chunk of each in-progress prompt, cut to the budget left."""
+        for request in self.still_running(self.running_prefills()):
+            n = min(request.num_uncomputed_tokens, self.budget_left(batch))
+            if n <= 0:
+                break
+            self.grant_running(request, n, batch)
+
+    def admit_chunks(self, batch: ScheduledBatch) -> None:
+        """Admit waiting prompts FCFS; the last one admitted may get only a first chunk."""
+        while self.waiting and self.budget_left(batch) > 0:
+            request = self.waiting[0]
+            if not self.admit(request, min(request.num_uncomputed_tokens, self.budget_left(batch)), batch):
+                break
+
+    def admit_whole_prompts(self, batch: ScheduledBatch) -> None:
+        """Admit waiting prompts FCFS, each whole, while they fit the budget. A prompt larger than
+        the budget still goes alone into an iteration without other prefills (else it never runs)."""
+        while self.waiting:
+            request = self.waiting[0]
+            n = request.num_uncomputed_tokens
+            if n > self.budget_left(batch) and batch.num_prefill_tokens > 0:
+                break
+            if not self.admit(request, n, batch):
+                break
 
     def schedule(self) -> ScheduledBatch:
         raise NotImplementedError
@@ -165,26 +204,99 @@ class SarathiScheduler(Scheduler):
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        for request in self.still_running(self.running_decodes()):
-            self.grant_running(request, 1, batch)
-        for request in self.still_running(self.running_prefills()):
-            n = min(request.num_uncomputed_tokens, self.budget_left(batch))
-            if n <= 0:
-                break
-            self.grant_running(request, n, batch)
-        while self.waiting and self.budget_left(batch) > 0:
-            request = self.waiting[0]
-            n = min(request.num_uncomputed_tokens, self.budget_left(batch))
-            if not self.admit(request, n, batch):
-                break
+        self.schedule_decodes(batch)
+        self.continue_prefills(batch)
+        self.admit_chunks(batch)
         return batch.ordered()
 
 
-SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (SarathiScheduler,)}
+class HybridOnlyScheduler(Scheduler):
+    """Ablation: hybrid batches of decodes and whole prompts, no chunking."""
+
+    name = "hybrid-only"
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self.schedule_decodes(batch)
+        self.admit_whole_prompts(batch)
+        return batch.ordered()
+
+
+class ChunkedOnlyScheduler(Scheduler):
+    """Ablation: chunked prefill without mixing; prefill-chunk and decode iterations alternate."""
+
+    name = "chunked-only"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._prefill_turn = True
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        if self._prefill_turn or not self.running_decodes():
+            self.continue_prefills(batch)
+            self.admit_chunks(batch)
+        if not batch.requests:
+            self.schedule_decodes(batch)
+        self._prefill_turn = not batch.num_prefill_tokens
+        return batch.ordered()
+
+
+class VllmScheduler(Scheduler):
+    """vLLM v0: prefill-prioritising. Whole waiting prompts run in a prefill-only iteration
+    whenever any fit; otherwise all running requests decode. Running decodes stall meanwhile."""
+
+    name = "vllm"
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self.admit_whole_prompts(batch)
+        if not batch.requests:
+            self.schedule_decodes(batch)
+        return batch.ordered()
+
+
+class ReserveMaxLength(Scheduler):
+    """Reserves KV for a request's maximum length when admitting it, so it never preempts."""
+
+    def tokens_to_reserve(self, request: Request, num_tokens: int) -> int:
+        full = request.num_prompt_tokens + request.sampling_params.max_tokens
+        return min(full, self.max_model_len) if self.max_model_len else full
+
+
+class OrcaScheduler(ReserveMaxLength):
+    """Orca: iteration-level batching of decodes with whole prompts; KV reserved up front."""
+
+    name = "orca"
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self.schedule_decodes(batch)
+        self.admit_whole_prompts(batch)
+        return batch.ordered()
+
+
+class RequestLevelScheduler(ReserveMaxLength):
+    """FasterTransformer-style: admit a batch only when nothing runs, decode it to completion."""
+
+    name = "request-level"
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        if not self.running:
+            self.admit_whole_prompts(batch)
+        else:
+            self.schedule_decodes(batch)
+        return batch.ordered()
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (
+    SarathiScheduler, VllmScheduler, OrcaScheduler, RequestLevelScheduler, ChunkedOnlyScheduler,
+    HybridOnlyScheduler)}
 
 
 def make_scheduler(name: str, block_manager: BlockManager, max_num_batched_tokens: int,
-                   max_num_seqs: int) -> Scheduler:
+                   max_num_seqs: int, max_model_len: int | None = None) -> Scheduler:
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name](block_manager, max_num_batched_tokens, max_num_seqs)
+    return SCHEDULERS[name](block_manager, max_num_batched_tokens, max_num_seqs, max_model_len)
