@@ -18,19 +18,22 @@ from carpool.request import Request, RequestStatus
 
 @dataclass
 class ScheduledBatch:
-    """One iteration's plan: decodes first, then prefill chunks, each with its token grant."""
+    """One iteration's plan: decodes first, then prefill chunks, each with its token grant.
+    Whether an entry is a decode is fixed when it is scheduled (the request moves on later)."""
 
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    is_decode: list[bool] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_tokens.append(num_tokens)
+        self.is_decode.append(request.is_decode)
 
     def remove(self, request: Request) -> None:
-        i = self.requests.index(request)
-        del self.requests[i], self.num_tokens[i]
+        i = next(i for i, r in enumerate(self.requests) if r is request)
+        del self.requests[i], self.num_tokens[i], self.is_decode[i]
 
     def __contains__(self, request: Request) -> bool:
         return any(r is request for r in self.requests)
@@ -44,7 +47,7 @@ class ScheduledBatch:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(n for r, n in zip(self.requests, self.num_tokens) if r.is_decode)
+        return sum(n for n, d in zip(self.num_tokens, self.is_decode) if d)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -52,8 +55,9 @@ class ScheduledBatch:
 
     def ordered(self) -> ScheduledBatch:
         """Decodes first: the model runner batches their attention together."""
-        pairs = sorted(zip(self.requests, self.num_tokens), key=lambda p: not p[0].is_decode)
-        return ScheduledBatch([r for r, _ in pairs], [n for _, n in pairs], self.preempted)
+        order = sorted(range(len(self.requests)), key=lambda i: not self.is_decode[i])
+        return ScheduledBatch([self.requests[i] for i in order], [self.num_tokens[i] for i in order],
+                              [self.is_decode[i] for i in order], self.preempted)
 
 
 class Scheduler:
