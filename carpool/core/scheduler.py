@@ -260,30 +260,24 @@ class VllmScheduler(Scheduler):
         return batch.ordered()
 
 
-class ReserveMaxLength(Scheduler):
-    """Reserves KV for a request's maximum length when admitting it, so it never preempts."""
-
-    def tokens_to_reserve(self, request: Request, num_tokens: int) -> int:
-        full = request.num_prompt_tokens + request.sampling_params.max_tokens
-        return min(full, self.max_model_len) if self.max_model_len else full
+def reserve_max_length(scheduler: Scheduler, request: Request, num_tokens: int) -> int:
+    """Hold KV for the request's whole possible length from admission on: it never preempts."""
+    full = request.num_prompt_tokens + request.sampling_params.max_tokens
+    return min(full, scheduler.max_model_len) if scheduler.max_model_len else full
 
 
-class OrcaScheduler(ReserveMaxLength):
-    """Orca: iteration-level batching of decodes with whole prompts; KV reserved up front."""
+class OrcaScheduler(HybridOnlyScheduler):
+    """Orca: iteration-level batching of decodes with whole prompts, KV reserved up front."""
 
     name = "orca"
-
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        self.schedule_decodes(batch)
-        self.admit_whole_prompts(batch)
-        return batch.ordered()
+    tokens_to_reserve = reserve_max_length
 
 
-class RequestLevelScheduler(ReserveMaxLength):
+class RequestLevelScheduler(Scheduler):
     """FasterTransformer-style: admit a batch only when nothing runs, decode it to completion."""
 
     name = "request-level"
+    tokens_to_reserve = reserve_max_length
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
