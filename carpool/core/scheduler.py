@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from carpool.core.block_manager import BlockManager
@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.clock: Callable[[], float] = time.monotonic  # the simulator swaps in simulated time
 
     # ------------------------------------------------------------ queue management
     def add_request(self, request: Request) -> None:
@@ -92,7 +93,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
 
     def commit(self, batch: ScheduledBatch) -> list[Request]:
         """The batch ran: advance computed tokens; return the requests whose output to sample."""
@@ -144,7 +145,7 @@ class Scheduler:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         self.running.append(request)
         batch.add(request, num_tokens)
         return True
