@@ -1,0 +1,192 @@
+"""How long one iteration takes, without running it.
+
+A cost model sees the shape of a scheduled batch (prefill chunks with their cached prefixes,
+decodes with their contexts, rows sampled) and predicts the time of one pipeline stage. Three
+models share that interface:
+
+- `FormulaCostModel`: a known closed form, for tests that check timelines by hand.
+- `ProfiledCostModel`: tables measured on this machine by `carpool profile`, interpolated.
+- `GpuCostModel` (gpu.py): operator timings measured on A100/H100 plus roofline attention.
+
+Interpolation rather than a fitted black box: the profiles are dense where serving lives
+(token counts up to the budget, contexts up to a few thousand), piecewise-linear interpolation
+reproduces their kinks (tile and wave quantisation) that a smooth fit would blur, and every
+prediction can be traced to two measured points.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from carpool.core.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a cost model may know about an iteration."""
+
+    prefills: tuple[tuple[int, int], ...] = ()  # (chunk tokens, tokens already cached)
+    decode_contexts: tuple[int, ...] = ()  # context length of each decode, its new token included
+    num_sampled: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.prefills) + len(self.decode_contexts)
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> BatchShape:
+        prefills, decodes, sampled = [], [], 0
+        for r, n, is_decode in zip(batch.requests, batch.num_tokens, batch.is_decode):
+            if is_decode:
+                decodes.append(r.num_computed_tokens + 1)
+            else:
+                prefills.append((n, r.num_computed_tokens))
+            sampled += r.num_computed_tokens + n == r.num_tokens
+        return cls(tuple(prefills), tuple(decodes), sampled)
+
+
+class CostModel(Protocol):
+    num_stages: int
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        """Seconds stage `stage` (of num_stages) is busy with this batch, incl. sending it on."""
+        ...
+
+
+@dataclass
+class FormulaCostModel:
+    """time = fixed + per_token * tokens + per_context * (sum of attended contexts), split evenly
+    over stages; the last stage adds per_sample * rows sampled."""
+
+    fixed: float = 0.01
+    per_token: float = 0.001
+    per_context: float = 0.0
+    per_sample: float = 0.0
+    num_stages: int = 1
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        context = sum(c for c in shape.decode_contexts) + sum(n * (p + n) for n, p in shape.prefills)
+        t = (self.fixed + self.per_token * shape.num_tokens + self.per_context * context) / self.num_stages
+        return t + (self.per_sample * shape.num_sampled if stage == self.num_stages - 1 else 0.0)
+
+
+# ---------------------------------------------------------------- interpolation
+
+def interp1(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear; linear extrapolation from the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Grid2:
+    """Bilinear interpolation over a full grid z[i][j] at (xs[i], ys[j])."""
+
+    xs: list[float]
+    ys: list[float]
+    z: list[list[float]]
+
+    def __call__(self, x: float, y: float) -> float:
+        col = [interp1(self.ys, row, y) for row in self.z]
+        return interp1(self.xs, col, x)
+
+
+# ---------------------------------------------------------------- this machine, profiled
+
+PROFILE_COLUMNS = ("op", "x", "y", "seconds")
+
+
+@dataclass
+class ProfiledCostModel:
+    """Predicts from `carpool profile` tables of the real runner (whole model, one process):
+
+    linear(tokens)            every non-attention op of all layers, embedding included
+    prefill_attn(chunk, prefix)   attention of one prefill chunk, all layers
+    decode_attn(batch, mean context)  batched decode attention, all layers
+    sample(rows)              LM head + sampling for the rows sampled
+    overhead                  per-iteration CPU work outside the model (scheduling, inputs)
+
+    Pipeline stages split layers evenly: each stage gets 1/num_stages of the layer-wise terms;
+    the last also samples."""
+
+    linear: tuple[list[float], list[float]]
+    prefill_attn: Grid2
+    decode_attn: Grid2
+    sample: tuple[list[float], list[float]]
+    overhead: float
+    num_stages: int = 1
+    source: str = ""
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
+        t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)
+        if shape.decode_contexts:
+            d = len(shape.decode_contexts)
+            t += self.decode_attn(d, sum(shape.decode_contexts) / d)
+        t /= self.num_stages
+        if stage == self.num_stages - 1:
+            t += (interp1(*self.sample, shape.num_sampled) if shape.num_sampled else 0.0) + self.overhead
+        return max(t, 0.0)
+
+    @classmethod
+    def load(cls, path: str | Path, num_stages: int = 1) -> ProfiledCostModel:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"profile {path} not found; create it with `carpool profile --output {path}`")
+        rows: dict[str, list[tuple[float, float, float]]] = {}
+        with path.open() as f:
+            reader = csv.DictReader(f)
+            if tuple(reader.fieldnames or ()) != PROFILE_COLUMNS:
+                raise ValueError(f"{path}: expected columns {','.join(PROFILE_COLUMNS)}, got {reader.fieldnames}")
+            for line, row in enumerate(reader, start=2):
+                try:
+                    x, y, s = float(row["x"]), float(row["y"] or 0), float(row["seconds"])
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{path}:{line}: not a number in {row}") from e
+                if not (math.isfinite(s) and s >= 0):
+                    raise ValueError(f"{path}:{line}: bad time {row['seconds']!r}")
+                rows.setdefault(row["op"], []).append((x, y, s))
+        missing = {"linear", "prefill_attn", "decode_attn", "sample", "overhead"} - rows.keys()
+        if missing:
+            raise ValueError(f"{path}: no rows for {', '.join(sorted(missing))}")
+
+        def curve(op):
+            pts = sorted((x, s) for x, _, s in rows[op])
+            return [p[0] for p in pts], [p[1] for p in pts]
+
+        def grid(op):
+            xs = sorted({x for x, _, _ in rows[op]})
+            ys = sorted({y for _, y, _ in rows[op]})
+            table = {(x, y): s for x, y, s in rows[op]}
+            if len(table) != len(xs) * len(ys):
+                raise ValueError(f"{path}: {op} is not a full grid over its x and y values")
+            return Grid2(xs, ys, [[table[(x, y)] for y in ys] for x in xs])
+
+        return cls(curve("linear"), grid("prefill_attn"), grid("decode_attn"), curve("sample"),
+                   rows["overhead"][0][2], num_stages, source=str(path))
+
+
+@dataclass
+class Profile:
+    """Rows being collected by `carpool profile`."""
+
+    rows: list[tuple[str, float, float, float]] = field(default_factory=list)
+
+    def add(self, op: str, x: float, y: float, seconds: float) -> None:
+        self.rows.append((op, x, y, seconds))
+
+    def write(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(PROFILE_COLUMNS)
+            w.writerows(self.rows)

@@ -1,0 +1,214 @@
+"""Discrete-event simulation of serving replicas, driving carpool's own scheduler classes.
+
+Each replica holds a real `Scheduler` policy and `BlockManager`; only the model is replaced by a
+cost model that says how long each pipeline stage works on a batch. Time is simulated: the
+scheduler's clock is pointed at the simulation, so the requests it touches carry simulated
+timestamps, in the same fields the engine fills. Pipeline stages are servers: a micro-batch
+enters stage s when stage s-1 has finished it and stage s is free, up to `num_stages`
+micro-batches are in flight, and a request in flight is not scheduled again until its
+micro-batch leaves the last stage. Bubbles are not modelled; they emerge from uneven stage times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from carpool.core.block_manager import BlockManager
+from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
+from carpool.request import Request, RequestStatus
+from carpool.sampling_params import SamplingParams
+from carpool.sim.cost_model import BatchShape, CostModel
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """Only lengths matter to a simulation; the benchmark's RequestSpec fits this shape too."""
+
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class ReplicaConfig:
+    scheduler: str = "sarathi"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_model_len: int = 8192
+
+
+@dataclass
+class MicroBatch:
+    replica: int
+    batch: ScheduledBatch
+    shape: BatchShape
+    stage_start: list[float]
+    stage_end: list[float]
+    waited: float  # time spent ready for a stage that was still busy with an earlier micro-batch
+
+    @property
+    def start(self) -> float:
+        return self.stage_start[0]
+
+    @property
+    def end(self) -> float:
+        return self.stage_end[-1]
+
+
+@dataclass
+class SimResult:
+    requests: list[Request]
+    micro_batches: list[MicroBatch]
+    stage_busy: list[list[float]]  # per replica, per stage: seconds busy
+    makespan: float
+    unfinished: int
+    request_pipeline_wait: dict[str, float] = field(default_factory=dict)
+
+    def bubble_fraction(self) -> float:
+        """Idle stage-time over total stage-time, between each replica's first and last work."""
+        busy = sum(sum(stages) for stages in self.stage_busy)
+        total = sum(len(stages) for stages in self.stage_busy) * self.makespan
+        return 1.0 - busy / total if total else 0.0
+
+
+class Replica:
+    def __init__(self, index: int, config: ReplicaConfig, cost_model: CostModel, clock):
+        self.index = index
+        self.config = config
+        self.cost = cost_model
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler: Scheduler = make_scheduler(config.scheduler, self.block_manager,
+                                                   config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.max_model_len)
+        self.scheduler.clock = clock
+        self.num_stages = cost_model.num_stages
+        self.stage_free = [0.0] * self.num_stages
+        self.stage_busy = [0.0] * self.num_stages
+        self.in_flight: list[MicroBatch] = []
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def can_launch(self, now: float) -> bool:
+        return (len(self.in_flight) < self.num_stages and self.stage_free[0] <= now
+                and self.scheduler.has_unfinished_requests())
+
+    @contextmanager
+    def _hide_in_flight(self) -> Iterator[None]:
+        """The scheduler neither schedules nor preempts requests whose micro-batch is in flight."""
+        busy = {id(r) for mb in self.in_flight for r in mb.batch.requests}
+        if not busy:
+            yield
+            return
+        running = self.scheduler.running
+        kept = [r for r in running if id(r) not in busy]
+        hidden = [(i, r) for i, r in enumerate(running) if id(r) in busy]
+        running[:] = kept
+        try:
+            yield
+        finally:
+            for i, r in hidden:
+                running.insert(i, r)
+
+    def launch(self, now: float) -> MicroBatch | None:
+        with self._hide_in_flight():
+            batch = self.scheduler.schedule()
+        if not batch.requests:
+            return None
+        shape = BatchShape.of(batch)
+        starts, ends, waited, ready = [], [], 0.0, now
+        for s in range(self.num_stages):
+            start = max(ready, self.stage_free[s])
+            waited += start - ready
+            duration = self.cost.stage_time(shape, s)
+            starts.append(start)
+            ends.append(start + duration)
+            self.stage_free[s] = start + duration
+            self.stage_busy[s] += duration
+            ready = start + duration
+        mb = MicroBatch(self.index, batch, shape, starts, ends, waited)
+        self.in_flight.append(mb)
+        return mb
+
+    def complete(self, mb: MicroBatch) -> None:
+        """The micro-batch left the last stage: its requests advance and ready ones get a token."""
+        self.in_flight.remove(mb)
+        now = mb.end
+        for r in self.scheduler.commit(mb.batch):
+            r.append_token(0, now)
+            if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= self.config.max_model_len:
+                self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+
+
+def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
+             num_replicas: int = 1, max_events: int = 50_000_000) -> SimResult:
+    """Replay `workload` (sorted by arrival) on `num_replicas` replicas; requests go to the
+    replica with the fewest outstanding requests (ties: lowest index)."""
+    for i, w in enumerate(workload):
+        if w.prompt_len < 1 or w.output_len < 1:
+            raise ValueError(f"request {i}: prompt and output lengths must be >= 1, got {w}")
+        if w.prompt_len + 1 > config.max_model_len:
+            raise ValueError(f"request {i}: prompt of {w.prompt_len} tokens exceeds max_model_len "
+                             f"{config.max_model_len}")
+    clock_now = [0.0]
+    clock = lambda: clock_now[0]  # noqa: E731
+    replicas = [Replica(i, config, cost_model, clock) for i in range(num_replicas)]
+    arrivals = sorted(enumerate(workload), key=lambda p: (p[1].arrival_time, p[0]))
+    requests: list[Request] = []
+    done: list[tuple[float, int, MicroBatch]] = []
+    seq = itertools.count()
+    micro_batches: list[MicroBatch] = []
+    next_arrival = 0
+    now = 0.0
+    for _ in range(max_events):
+        clock_now[0] = now
+        while next_arrival < len(arrivals) and arrivals[next_arrival][1].arrival_time <= now:
+            i, w = arrivals[next_arrival]
+            next_arrival += 1
+            r = Request(f"sim-{i}", [0] * w.prompt_len,
+                        SamplingParams(max_tokens=w.output_len, ignore_eos=True), arrival_time=w.arrival_time)
+            requests.append(r)
+            min(replicas, key=lambda rep: (rep.outstanding, rep.index)).scheduler.add_request(r)
+        while done and done[0][0] <= now:
+            _, _, mb = heapq.heappop(done)
+            replicas[mb.replica].complete(mb)
+        for rep in replicas:
+            while rep.can_launch(now):
+                mb = rep.launch(now)
+                if mb is None:
+                    break
+                micro_batches.append(mb)
+                heapq.heappush(done, (mb.end, next(seq), mb))
+        candidates = [arrivals[next_arrival][1].arrival_time] if next_arrival < len(arrivals) else []
+        candidates += [done[0][0]] if done else []
+        candidates += [rep.stage_free[0] for rep in replicas
+                       if rep.stage_free[0] > now and len(rep.in_flight) < rep.num_stages
+                       and rep.scheduler.has_unfinished_requests()]
+        if not candidates:
+            break
+        now = min(candidates)
+    else:
+        raise RuntimeError("simulation did not finish within max_events")
+
+    start = min((w.arrival_time for w in workload), default=0.0)
+    end = max((mb.end for mb in micro_batches), default=start)
+    waits: dict[str, float] = {}
+    for mb in micro_batches:
+        for r in mb.batch.requests:
+            waits[r.request_id] = waits.get(r.request_id, 0.0) + mb.waited
+    return SimResult(
+        requests=requests,
+        micro_batches=micro_batches,
+        stage_busy=[rep.stage_busy for rep in replicas],
+        makespan=max(end - start, 0.0) if micro_batches else 0.0,
+        unfinished=sum(rep.outstanding for rep in replicas),
+        request_pipeline_wait=waits,
+    )
+
