@@ -51,6 +51,7 @@ class MicroBatch:
     stage_start: list[float]
     stage_end: list[float]
     waited: float  # time spent ready for a stage that was still busy with an earlier micro-batch
+    free_blocks: int  # KV blocks free right after this batch was scheduled
 
     @property
     def start(self) -> float:
@@ -133,7 +134,7 @@ class Replica:
             self.stage_free[s] = start + duration
             self.stage_busy[s] += duration
             ready = start + duration
-        mb = MicroBatch(self.index, batch, shape, starts, ends, waited)
+        mb = MicroBatch(self.index, batch, shape, starts, ends, waited, self.block_manager.num_free_blocks)
         self.in_flight.append(mb)
         return mb
 

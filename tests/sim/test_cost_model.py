@@ -1,0 +1,119 @@
+"""Cost models: profile files, interpolation, GPU estimates from the shared profiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from carpool.sim.cost_model import BatchShape, Grid2, Profile, ProfiledCostModel, interp1
+from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
+
+PROFILES = Path(__file__).resolve().parents[2].parent / "shared" / "profiles"
+
+
+def test_interpolation():
+    assert interp1([1, 3], [10, 30], 2) == 20
+    assert interp1([1, 3], [10, 30], 5) == 50  # linear extrapolation
+    g = Grid2([0, 2], [0, 10], [[0, 10], [20, 30]])
+    assert g(1, 5) == 15
+
+
+def write_profile(path, **overrides):
+    prof = Profile()
+    for n in (1, 64, 512):
+        prof.add("linear", n, 0, overrides.get("linear", 0.01 + n * 1e-4))
+    for n in (1, 512):
+        for p in (0, 1024):
+            prof.add("prefill_attn", n, p, 1e-6 * n * (p + n))
+    for d in (1, 32):
+        for c in (16, 2048):
+            prof.add("decode_attn", d, c, 1e-6 * d * c)
+    for rows in (1, 64):
+        prof.add("sample", rows, 0, 1e-3 * rows)
+    prof.add("overhead", 0, 0, 0.002)
+    prof.write(path)
+
+
+def test_profiled_model_predicts_from_its_tables(tmp_path):
+    path = tmp_path / "p.csv"
+    write_profile(path)
+    model = ProfiledCostModel.load(path)
+    shape = BatchShape(prefills=((256, 0),), decode_contexts=(100, 300), num_sampled=3)
+    linear = interp1([1, 64, 512], [0.01 + n * 1e-4 for n in (1, 64, 512)], 258)
+    prefill = interp1([1, 512], [1e-6 * 1 * 1, 1e-6 * 512 * 512], 256)  # bilinear: at prefix 0
+    expected = linear + prefill + 1e-6 * 2 * 200 + 3e-3 + 0.002  # decode: exact (d * c is bilinear)
+    assert model.stage_time(shape, 0) == pytest.approx(expected)
+    two = ProfiledCostModel.load(path, num_stages=2)
+    assert two.stage_time(shape, 0) + two.stage_time(shape, 1) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("op,x,y,seconds\nlinear,1,0,0.1\n", "no rows for"),
+    ("a,b\n1,2\n", "expected columns"),
+    ("op,x,y,seconds\nlinear,one,0,0.1\n", "not a number"),
+    ("op,x,y,seconds\nlinear,1,0,-3\n", "bad time"),
+])
+def test_bad_profile_files(tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        ProfiledCostModel.load(path)
+
+
+def test_missing_profile_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="carpool profile"):
+        ProfiledCostModel.load(tmp_path / "none.csv")
+
+
+def test_profile_grid_must_be_full(tmp_path):
+    path = tmp_path / "p.csv"
+    write_profile(path)
+    path.write_text(path.read_text() + "decode_attn,64,16,0.5\n")
+    with pytest.raises(ValueError, match="full grid"):
+        ProfiledCostModel.load(path)
+
+
+def test_gpu_model_uses_measured_operators():
+    model = GpuCostModel(resolve_shape("llama-2-7b"), GPUS["a100"], profiles=PROFILES)
+    small = model.stage_time(BatchShape(decode_contexts=(1024,) * 8, num_sampled=8), 0)
+    big = model.stage_time(BatchShape(prefills=((2048, 0),), num_sampled=1), 0)
+    assert 0.005 < small < 0.05  # a 7B decode step on an A100: ~10-20 ms
+    assert big > 5 * small
+    assert any("attention modelled" in n for n in model.notes)
+
+
+def test_gpu_tp_and_pp_add_collectives():
+    shape = resolve_shape("llama-2-70b")
+    batch = BatchShape(prefills=((512, 0),), decode_contexts=(2048,) * 16, num_sampled=17)
+    tp4 = GpuCostModel(shape, GPUS["a100"], tp=4, profiles=PROFILES)
+    pp2 = GpuCostModel(shape, GPUS["a100"], tp=4, num_stages=2, gpus_per_node=4, profiles=PROFILES)
+    assert pp2.stage_time(batch, 0) < tp4.stage_time(batch, 0)  # half the layers per stage
+    assert pp2.stage_time(batch, 0) + pp2.stage_time(batch, 1) > tp4.stage_time(batch, 0)  # + send/recv
+
+
+def test_unprofiled_models_are_scaled_and_say_so():
+    model = GpuCostModel(resolve_shape("yi-34b"), GPUS["a100"], tp=2, profiles=PROFILES)
+    assert any("scaled by FLOPs" in n for n in model.notes)
+
+
+def test_unknown_shapes_and_bad_parallelism():
+    with pytest.raises(ValueError, match="unknown model shape"):
+        resolve_shape("gpt-5")
+    with pytest.raises(ValueError, match="layers"):
+        GpuCostModel(resolve_shape("llama-2-7b"), GPUS["a100"], num_stages=3, profiles=PROFILES)
+    with pytest.raises(ValueError, match="tensor parallel size 16"):
+        GpuCostModel(resolve_shape("llama-2-7b"), GPUS["a100"], tp=16, profiles=PROFILES)
+
+
+def test_shape_from_hf_config(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 512, "vocab_size": 1000}))
+    shape = resolve_shape(str(tmp_path))
+    assert (shape.num_layers, shape.kv_heads, shape.head_dim) == (4, 2, 32)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256}))
+    with pytest.raises(ValueError, match="lacks"):
+        resolve_shape(str(tmp_path))
