@@ -113,6 +113,11 @@ class ProfiledCostModel:
     decode_attn(batch, mean context)  batched decode attention, all layers
     sample(rows)              LM head + sampling for the rows sampled
     overhead                  per-iteration CPU work outside the model (scheduling, inputs)
+    calibration               measured / predicted step time on real engine steps (median)
+
+    The parts are timed one at a time; a whole step runs them interleaved (caches, allocator,
+    the other core), which costs more than their sum. `calibration` is that ratio, measured on
+    real engine steps when the profile is taken, and scales every prediction.
 
     Pipeline stages split layers evenly: each stage gets 1/num_stages of the layer-wise terms;
     the last also samples."""
@@ -122,6 +127,7 @@ class ProfiledCostModel:
     decode_attn: Grid2
     sample: tuple[list[float], list[float]]
     overhead: float
+    calibration: float = 1.0
     num_stages: int = 1
     source: str = ""
 
@@ -134,7 +140,7 @@ class ProfiledCostModel:
         t /= self.num_stages
         if stage == self.num_stages - 1:
             t += (interp1(*self.sample, shape.num_sampled) if shape.num_sampled else 0.0) + self.overhead
-        return max(t, 0.0)
+        return max(t * self.calibration, 0.0)
 
     @classmethod
     def load(cls, path: str | Path, num_stages: int = 1) -> ProfiledCostModel:
@@ -170,8 +176,9 @@ class ProfiledCostModel:
                 raise ValueError(f"{path}: {op} is not a full grid over its x and y values")
             return Grid2(xs, ys, [[table[(x, y)] for y in ys] for x in xs])
 
+        calibration = rows["calibration"][0][2] if "calibration" in rows else 1.0
         return cls(curve("linear"), grid("prefill_attn"), grid("decode_attn"), curve("sample"),
-                   rows["overhead"][0][2], num_stages, source=str(path))
+                   rows["overhead"][0][2], calibration, num_stages, source=str(path))
 
 
 @dataclass

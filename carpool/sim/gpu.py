@@ -190,7 +190,7 @@ class GpuCostModel:
         self.table = OpTable(self.profiles / "compute" / self.gpu.name / profiled / "mlp.csv", self.tp)
         base = PROFILED_SHAPES[profiled].op_flops()
         self.scale = {op: self.shape.op_flops()[op] / base[op] for op in base}
-        if PROFILED_SHAPES[profiled] != self.shape:
+        if any(abs(v - 1) > 1e-9 for v in self.scale.values()):
             self.notes.append(f"{self.shape.name}: linear ops scaled by FLOPs from the {profiled} profile "
                               f"({', '.join(f'{k} x{v:.2f}' for k, v in self.scale.items())})")
         self.notes.append(f"attention modelled: max(FLOPs / ({ATTN_FLOP_EFFICIENCY:.0%} of {self.gpu.bf16_tflops} "

@@ -86,7 +86,43 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
             prof.add("sample", rows, 0, median_time(lambda: model.compute_logits(hidden[:rows]).argmax(-1), repeats))
     synth.close()
     prof.add("overhead", 0, 0, step_overhead(engine))
+    prof.add("calibration", 0, 0, calibrate(engine, prof))
     return prof
+
+
+def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float:
+    """Median of measured / predicted over the steps of a mixed workload on the real engine:
+    prompts of 64..1024 tokens arriving together with outputs of 16..64, so steps span
+    prefill-only, hybrid and decode-only batches."""
+    import tempfile
+    from pathlib import Path
+
+    from carpool.sim.cost_model import BatchShape, ProfiledCostModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.write(Path(tmp) / "p.csv")
+        model = ProfiledCostModel.load(Path(tmp) / "p.csv")
+    rng = torch.Generator().manual_seed(1)
+    vocab = engine.model_config.vocab_size
+    shapes: list[BatchShape] = []
+    real_execute = engine.runner.execute
+
+    def recording(batch):
+        shapes.append(BatchShape.of(batch))
+        return real_execute(batch)
+
+    for _ in range(num_requests):
+        n = int(torch.randint(64, 1025, (1,), generator=rng))
+        out = int(torch.randint(16, 65, (1,), generator=rng))
+        engine.add_request(torch.randint(vocab, (n,), generator=rng).tolist(),
+                           SamplingParams(max_tokens=out, ignore_eos=True, temperature=0))
+    start = len(engine.iteration_stats)
+    with mock.patch.object(engine.runner, "execute", recording):
+        while engine.has_unfinished_requests():
+            engine.step()
+    steps = list(engine.iteration_stats)[start:]
+    ratios = [s.duration / model.stage_time(sh, 0) for s, sh in zip(steps, shapes)]
+    return statistics.median(ratios)
 
 
 def step_overhead(engine: LLMEngine, steps: int = 40) -> float:
