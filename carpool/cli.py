@@ -22,8 +22,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)")
     g.add_argument("--scheduler", default="sarathi")
-    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (per worker process with TP/PP; default: cores / processes)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard every layer over this many worker processes (Megatron-style)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many pipeline stages, one micro-batch in flight each")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -31,7 +36,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        scheduler=args.scheduler, num_threads=args.num_threads, seed=args.seed)
+                        scheduler=args.scheduler, num_threads=args.num_threads, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -124,11 +131,106 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
+def cmd_bench_pipeline(args) -> int:
+    from carpool.bench.pipeline import run_pipeline_bench
+
+    run_pipeline_bench(engine_config(args), args)
+    return 0
+
+
 def cmd_bench_hybrid(args) -> int:
     from carpool.bench.hybrid import run_hybrid_bench
 
     run_hybrid_bench(engine_config(args), args)
     return 0
+
+
+def cmd_simulate(args) -> int:
+    from carpool.sim.run import run_simulate
+
+    run_simulate(args)
+    return 0
+
+
+def cmd_fidelity(args) -> int:
+    from carpool.sim.fidelity import run_fidelity
+
+    run_fidelity(engine_config(args), args)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from carpool.sim.profile import run_profile
+
+    run_profile(engine_config(args), args)
+    return 0
+
+
+def _bench_engine_config(args):
+    """In-process engine settings, or None when --base-url points at a server."""
+    return None if getattr(args, "base_url", None) else engine_config(args)
+
+
+def _guarded(run, args, config) -> int:
+    """Run a serving benchmark; a host too busy to measure on is an error, not a traceback."""
+    from carpool.bench.serving import HostContendedError
+
+    try:
+        run(args, config)
+    except HostContendedError as e:
+        print(f"carpool: error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def cmd_bench_serving(args) -> int:
+    from carpool.bench.serving import run_serving
+
+    return _guarded(run_serving, args, _bench_engine_config(args))
+
+
+def cmd_bench_burst(args) -> int:
+    from carpool.bench.serving import run_burst
+
+    return _guarded(run_burst, args, _bench_engine_config(args))
+
+
+def cmd_bench_ablation(args) -> int:
+    from carpool.bench.serving import run_ablation
+
+    return _guarded(run_ablation, args, _bench_engine_config(args))
+
+
+def cmd_bench_budget_sweep(args) -> int:
+    from carpool.bench.serving import run_budget_sweep
+
+    return _guarded(run_budget_sweep, args, engine_config(args))
+
+
+def cmd_capacity(args) -> int:
+    from carpool.bench.serving import run_capacity
+
+    return _guarded(run_capacity, args, _bench_engine_config(args))
+
+
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    from carpool.bench.options import positive_float, positive_int
+
+    g = p.add_argument_group("capacity search (defaults: the full preset; --quick: the quick one, see BENCHMARKS.md)")
+    g.add_argument("--quick", action="store_true", help="short runs: 30 s per rate, <= 6 rates, 15%% resolution")
+    g.add_argument("--duration", type=positive_float, default=None,
+                   help="seconds of arrivals per rate (requests = max(--min-requests, QPS x duration))")
+    g.add_argument("--min-requests", type=positive_int, default=None)
+    g.add_argument("--max-evals", type=positive_int, default=None, help="rates tried per search")
+    g.add_argument("--resolution", type=positive_float, default=None,
+                   help="stop when (fail - pass) / fail <= this (relative)")
+    g.add_argument("--start-qps", type=positive_float, default=1.0)
+    g.add_argument("--min-qps", type=positive_float, default=0.05)
+    g.add_argument("--max-qps", type=positive_float, default=64.0)
+    g.add_argument("--scheduling-delay", type=positive_float, default=2.0,
+                   help="bound on P50 scheduling delay, seconds (Sarathi-Serve: 2)")
+    g.add_argument("--reference-decode-time", type=positive_float, default=None,
+                   help="seconds; default: measured (one request alone, median decode iteration)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,6 +271,98 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     add_engine_args(h)
     h.set_defaults(func=cmd_bench_hybrid)
+
+    from carpool.bench import options as bo
+
+    def serving_like(name: str, help: str, output: str, workload: dict, func, qps_default) -> argparse.ArgumentParser:
+        s = bench.add_parser(name, help=help)
+        s.add_argument("--schedulers", type=bo.scheduler_list, default=None,
+                       help="comma list of NAME[:BUDGET] to compare in process (default: --scheduler)")
+        s.add_argument("--qps", type=bo.float_list, default=qps_default, help="request rate(s), comma list")
+        s.add_argument("--timeline-requests", type=bo.positive_int, default=40, help="requests drawn in timeline.png")
+        bo.add_workload_args(s, **workload)
+        bo.add_driver_args(s)
+        bo.add_output_args(s, output)
+        add_engine_args(s)
+        s.set_defaults(func=func)
+        return s
+
+    serving_like("serving", "replay a workload (in process or against --base-url); latency/throughput metrics",
+                 "bench_results/serving", {}, cmd_bench_serving, None)
+    b = serving_like("burst", "16 requests at once (prompts 64..1024, outputs 64..256): tok/s, TBT, largest gap",
+                     "bench_results/burst", bo.BURST, cmd_bench_burst, None)
+    b.add_argument("--reference-tps", type=bo.positive_float, default=44.0,
+                   help="output tok/s to compare against (llama.cpp server on this machine: ~44)")
+    b.add_argument("--max-gap", type=bo.positive_float, default=0.5, help="seconds; the gap goal")
+    serving_like("ablation", "hybrid-only vs chunked-only vs sarathi at one QPS (Sarathi-Serve Table 4)",
+                 "bench_results/ablation", bo.LONG_PROMPT, cmd_bench_ablation, [1.0])
+
+    s = bench.add_parser("budget-sweep", help="token budgets: chunked-prefill overhead, TBT P99, capacity")
+    s.add_argument("--budgets", type=bo.int_list, default=[128, 256, 512, 1024, 2048])
+    s.add_argument("--sweep-scheduler", default="sarathi")
+    s.add_argument("--qps", type=bo.float_list, default=[1.0], help="rate(s) of the serving runs")
+    s.add_argument("--overhead-prompt-len", type=bo.positive_int, default=2048,
+                   help="prompt whose prefill time is compared chunked vs in one iteration")
+    s.add_argument("--overhead-repeats", type=bo.positive_int, default=3)
+    s.add_argument("--capacity-slo", type=bo.str_list, default=None,
+                   help="also search capacity per budget under these SLOs (comma list, e.g. strict,relaxed)")
+    bo.add_workload_args(s, **bo.LONG_PROMPT)
+    bo.add_output_args(s, "bench_results/budget_sweep")
+    _add_capacity_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_bench_budget_sweep, base_url=None)
+
+    p = sub.add_parser("capacity", help="highest QPS meeting P99 TBT and P50 scheduling-delay SLOs, per scheduler")
+    p.add_argument("--schedulers", type=bo.scheduler_list, default=bo.scheduler_list("sarathi,vllm"),
+                   help="comma list of NAME[:BUDGET][@SLO] (default: sarathi,vllm)")
+    p.add_argument("--slo", type=bo.str_list, default=["strict", "relaxed"],
+                   help="comma list: strict (5x reference decode), relaxed (25x), <k>x, <seconds>, <n>ms")
+    bo.add_workload_args(p, **bo.LONG_PROMPT)
+    bo.add_driver_args(p)
+    bo.add_output_args(p, "bench_results/capacity")
+    _add_capacity_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_capacity)
+
+    s = bench.add_parser("pipeline", help="pipeline bubbles (idle stage time) per scheduler with "
+                                          "--pipeline-parallel-size > 1 (Sarathi section 5.3)")
+    s.add_argument("--schedulers", type=bo.str_list, default=["sarathi", "vllm", "orca"],
+                   help="comma list of policies, each replaying the same workload")
+    s.add_argument("--qps", type=bo.positive_float, default=1.0, help="request rate (Poisson arrivals)")
+    s.add_argument("--workload-seed", type=int, default=0)
+    s.add_argument("--max-other-cpu", type=float, default=0.3,
+                   help="wait for a quiet host, and run again if other processes used more CPU cores "
+                        "than this during a run (a negative value disables the check)")
+    s.add_argument("--retries", type=int, default=2)
+    s.add_argument("--output", default="bench_results/pipeline")
+    bo.add_workload_args(s, lengths="uniform", num_requests=64, prompt_range=(64, 1024), output_range=(16, 128))
+    add_engine_args(s)
+    s.set_defaults(func=cmd_bench_pipeline)
+
+    p = sub.add_parser("simulate", help="replay a workload over a simulated deployment (the real schedulers, "
+                                        "a profiled cost model)")
+    from carpool.sim.run import add_simulate_args
+
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("fidelity", help="simulator vs the real engine on the same workload (this machine)")
+    from carpool.bench.options import add_workload_args, positive_float, scheduler_list
+
+    p.add_argument("--profile", default="bench_results/profile.csv", help="from `carpool profile`")
+    p.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi,vllm"))
+    p.add_argument("--qps", type=positive_float, default=1.0)
+    p.add_argument("--output", default="bench_results/fidelity")
+    add_workload_args(p, lengths="uniform", num_requests=40, prompt_range=(64, 1024), output_range=(16, 128))
+    add_engine_args(p)
+    p.set_defaults(func=cmd_fidelity)
+
+    p = sub.add_parser("profile", help="measure this machine's model runner for the simulator's cost model")
+    p.add_argument("--output", default="bench_results/profile.csv")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="every other grid point")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

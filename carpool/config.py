@@ -132,8 +132,18 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: see default_kv_cache_memory
     scheduler: str = "sarathi"
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch threads (per worker process with TP/PP)
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # How the T x P worker processes meet: None spawns them on this host (loopback rendezvous);
+    # "env://" joins ranks started by torchrun (MASTER_ADDR/PORT, RANK, WORLD_SIZE), see README.
+    distributed_init_method: str | None = None
+    distributed_timeout: float = 600.0  # seconds a collective or stage-to-stage transfer may take
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -150,6 +160,15 @@ class EngineConfig:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be >= 1")
+        if self.distributed_init_method is None:
+            self.distributed_init_method = os.environ.get("CARPOOL_DISTRIBUTED_INIT") or None
+        if self.distributed_init_method not in (None, "env://"):
+            raise ValueError(f"distributed_init_method must be None or 'env://', "
+                             f"not {self.distributed_init_method!r}")
         if self.model is None:
             self.model = os.environ.get("CARPOOL_MODEL") or default_model_path()
 

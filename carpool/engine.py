@@ -1,4 +1,9 @@
-"""LLMEngine: request -> scheduler -> batch -> model runner -> sampler -> outputs, once per step."""
+"""LLMEngine: request -> scheduler -> batch -> model runner -> sampler -> outputs, once per step.
+
+The model runs behind an executor: in this process (the default), or over tensor x pipeline
+parallel worker processes (carpool/distributed). With a pipeline of P stages, a step keeps up to
+P micro-batches in flight: it submits new ones while the pipeline has room, then collects the
+oldest and returns its outputs. The scheduler skips requests whose micro-batch is in flight."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -14,8 +20,7 @@ from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_me
                             resolve_device, resolve_dtype)
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
-from carpool.model.loader import is_gguf, load_model, open_gguf
-from carpool.model_runner import ModelRunner, kv_bytes_per_token
+from carpool.distributed.executor import ExecutorError, make_executor
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler
@@ -44,14 +49,24 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        reader = open_gguf(config.model) if is_gguf(config.model) else None
-        self.model = load_model(config.model, self.dtype, self.device, gguf_reader=reader)
-        self.model_config = self.model.config
-        self.tokenizer = load_tokenizer(config.model, gguf_reader=reader)
+        self.executor = make_executor(config, self.device, self.dtype)
+        try:
+            self._init_after_model(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_after_model(self, config: EngineConfig) -> None:
+        ex = self.executor
+        self.model = ex.model  # the whole model, or with TP/PP the driver's shard (last stage)
+        self.model_config = ex.model_config
+        self.tokenizer = load_tokenizer(config.model, gguf_reader=ex.gguf_reader)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
 
-        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        per_token = ex.kv_bytes_per_token  # of the largest KV shard with TP/PP; every rank has num_blocks
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        if config.kv_cache_memory is None and self.device.type == "cpu":
+            budget //= ex.num_local_processes  # the processes of this host share its RAM
         num_blocks = budget // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block "
@@ -62,15 +77,19 @@ class LLMEngine:
                                  self.block_manager.capacity_tokens)
         self.scheduler = make_scheduler(config.scheduler, self.block_manager, config.max_num_batched_tokens,
                                         config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
+        ex.init_kv_cache(num_blocks)
+        self.runner = ex.runner
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.iteration_stats: deque[IterationStats] = deque(maxlen=100_000)
         self._ids = itertools.count()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d",
+        self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()  # submitted, not collected
+        self._dead: str | None = None  # why the parallel workers failed; the engine then refuses work
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
-                 num_blocks * config.block_size * per_token / 2**20, self.dtype, self.max_model_len)
+                 num_blocks * config.block_size * per_token / 2**20,
+                 " per worker" if config.world_size > 1 else "", self.dtype, self.max_model_len)
 
     # ------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -85,6 +104,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Validate and queue a request. Raises ValueError (and holds nothing) if it is bad."""
+        if self._dead is not None:
+            raise ExecutorError(self._dead)
         sp = sampling_params or SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
@@ -130,15 +151,34 @@ class LLMEngine:
 
     # ------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
+        if self._dead is not None:
+            raise ExecutorError(self._dead)
+        ex = self.executor
         start = time.monotonic()
-        batch = self.scheduler.schedule()
-        if not batch.requests:
+        while ex.num_in_flight < ex.max_in_flight:  # one pass without a pipeline
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                break
+            try:
+                ex.submit(batch)
+            except ExecutorError as exc:
+                self._die(exc)
+            if ex.max_in_flight > 1:
+                self.scheduler.mark_in_flight(batch)
+            self._in_flight.append((batch, start))
+            start = time.monotonic()
+        if not self._in_flight:
             return []
+        batch, start = self._in_flight.popleft()
         num_decode, num_prefill = batch.num_decode_tokens, batch.num_prefill_tokens
         try:
-            logits = self.runner.execute(batch)
+            logits = ex.collect()
+            if ex.max_in_flight > 1:
+                logits = self._drop_aborted(batch, logits)
             ready = self.scheduler.commit(batch)
             tokens, logprobs = self.sampler(logits, ready) if ready else ([], [])
+        except ExecutorError as exc:
+            self._die(exc)
         except Exception as exc:  # fail this batch's requests; the engine keeps serving others
             log.exception("step failed")
             return self._fail(batch, f"{type(exc).__name__}: {exc}")
@@ -156,9 +196,40 @@ class LLMEngine:
                                                    num_decode, len(batch), len(batch.preempted)))
         return outputs
 
+    @staticmethod
+    def _drop_aborted(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Rows of requests aborted while their micro-batch was in flight are not sampled."""
+        if all(r.status is RequestStatus.RUNNING for r in batch.requests):
+            return logits
+        sampled = [r for r, n in zip(batch.requests, batch.num_tokens)
+                   if r.num_computed_tokens + n == r.num_tokens]
+        return logits[[i for i, r in enumerate(sampled) if r.status is RequestStatus.RUNNING]]
+
+    def _die(self, exc: BaseException) -> NoReturn:
+        """The parallel workers failed (the executor has stopped the rest): fail every request
+        with the reason, then raise it. The engine's state can no longer be trusted, so, as for
+        any step that raises, callers stop (the server fails its open requests and turns
+        unhealthy); later calls raise the same error."""
+        self._dead = f"the engine's parallel workers failed: {exc}; the engine has shut down"
+        log.error(self._dead)
+        self.executor.shutdown()
+        self._in_flight.clear()
+        for request in list(self.requests.values()):
+            if not request.is_finished:
+                request.error = self._dead
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self.requests.clear()
+        raise ExecutorError(self._dead) from exc
+
+    def shutdown(self) -> None:
+        """Stop the parallel workers, if any (a no-op for a single-process engine)."""
+        self.executor.shutdown()
+
     def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
         outputs = []
         for request in batch.requests:
+            if request.is_finished:  # aborted while its micro-batch was in flight
+                continue
             request.error = message
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             self.requests.pop(request.request_id, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -10,6 +12,24 @@ from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
+
+
+@dataclass
+class StepPlan:
+    """One batch as plain arrays (the 'batch plan' a parallel engine sends to every worker)."""
+
+    input_ids: list[int]
+    positions: np.ndarray  # [tokens] int64
+    slot_mapping: np.ndarray  # [tokens] int64: KV slot each token writes
+    decode_tables: list[list[int]]  # block table of each decode (decodes come first)
+    decode_lens: list[int]  # context length of each decode, its new token included
+    prefills: list[tuple[int, int, int, list[int] | None]]  # (row, end row, cached tokens, table or None)
+    sample_rows: list[int]  # rows whose logits are sampled
+    fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
@@ -41,21 +61,26 @@ class ModelRunner:
         table = np.asarray(block_ids, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids and positions, attention metadata, and the row of each request's last
-        token (the rows whose logits are sampled, for requests whose prompt is now complete)."""
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """Flatten a batch into plain arrays. Block tables are global, so one plan serves every
+        worker of a parallel engine: the driver computes it once and sends it as is."""
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        prefills: list[tuple[int, int, int, list[int] | None]] = []
         sample_rows: list[int] = []
-        dev, bs = self.device, self.block_size
+        fresh_tails: list[np.ndarray] = []
+        bs = self.block_size
         for req, n in zip(batch.requests, batch.num_tokens):
             start = req.num_computed_tokens
             ctx = start + n
             row = len(ids)
+            if ctx % bs and (ctx - 1) // bs * bs >= start:
+                # This step starts the block holding token ctx-1. Attention reads that block whole
+                # (masked) and 0 x NaN is NaN, so its unwritten slots must not hold stale garbage.
+                fresh_tails.append(self.slots_for(req.block_ids, ctx, blocks_for(ctx, bs) * bs))
             ids.extend(req.token_ids[start:ctx])
             positions.append(np.arange(start, ctx))
             slots.append(self.slots_for(req.block_ids, start, ctx))
@@ -63,37 +88,77 @@ class ModelRunner:
                 decode_tables.append(req.block_ids[:blocks_for(ctx, bs)])
                 decode_lens.append(ctx)
             elif start == 0:
-                prefills.append(PrefillChunk(row, row + n, None, None))
+                prefills.append((row, row + n, 0, None))
             else:
-                table = req.block_ids[:blocks_for(ctx, bs)]
-                mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, ctx)[:, None]
-                prefills.append(PrefillChunk(row, row + n, torch.tensor(table, device=dev), mask.to(dev)))
+                prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
             if ctx == req.num_tokens:
                 sample_rows.append(row + n - 1)
+        return StepPlan(ids, np.concatenate(positions), np.concatenate(slots), decode_tables, decode_lens,
+                        prefills, sample_rows, fresh_tails)
 
+    def clear_fresh_tails(self, plan: StepPlan) -> None:
+        """Zero the not-yet-written slots of blocks the plan starts (the cache is allocated
+        uninitialised, and freed blocks keep old KV)."""
+        if plan.fresh_tails:
+            slots = torch.from_numpy(np.concatenate(plan.fresh_tails)).to(self.device)
+            self.kv_cache.index_fill_(2, slots, 0)
+
+    def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata of a plan, on this runner's device."""
+        dev, bs = self.device, self.block_size
+        prefills: list[PrefillChunk] = []
+        for row, end, start, table in plan.prefills:
+            if table is None:
+                prefills.append(PrefillChunk(row, end, None, None))
+            else:
+                mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
+                prefills.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev)))
         tables = mask = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
+        if plan.decode_tables:
+            width = max(len(t) for t in plan.decode_tables)
+            tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in plan.decode_tables], device=dev)
+            lens = torch.tensor(plan.decode_lens, device=dev)
             mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=torch.from_numpy(plan.slot_mapping).to(dev),
             block_size=bs,
-            num_decodes=len(decode_tables),
+            num_decodes=len(plan.decode_tables),
             decode_block_tables=tables,
             decode_mask=mask,
             prefills=prefills,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos, meta, sample_rows
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
+        pos = torch.from_numpy(plan.positions).to(dev)
+        return input_ids, pos, meta
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat input ids and positions, attention metadata, and the row of each request's last
+        token (the rows whose logits are sampled, for requests whose prompt is now complete)."""
+        plan = self.plan(batch)
+        return (*self.tensors(plan), plan.sample_rows)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the batch; logits [num_ready_requests, vocab] in batch order."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        plan = self.plan(batch)
+        self.clear_fresh_tails(plan)
+        input_ids, positions, meta = self.tensors(plan)
+        sample_rows = plan.sample_rows
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[sample_rows])
+
+    @torch.inference_mode()
+    def run_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This rank's share of a plan: hidden states out of a pipeline stage that is not the last;
+        on the last stage the logits of the sampled rows (gathered over tensor-parallel ranks,
+        so None on ranks other than the first)."""
+        self.clear_fresh_tails(plan)
+        input_ids, positions, meta = self.tensors(plan)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, hidden)
+        if not self.model.is_last:
+            return hidden
+        if not plan.sample_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[plan.sample_rows])

@@ -3,6 +3,10 @@
 `Scheduler` owns the shared primitives: the waiting queue, the running list, the block manager,
 the per-iteration token budget, and preemption by recompute. A policy is a small subclass that
 only decides the order and size of grants in `schedule()`.
+
+With pipeline parallelism several micro-batches are in flight at once. A request whose micro-batch
+has not returned is `in_flight`: every primitive below skips it (no grant, never a preemption
+victim) until `commit` brings it back, so policies need no pipeline-specific code.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Scheduler:
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.in_flight: set[Request] = set()  # running, but their micro-batch has not returned
         self.num_preemptions = 0
         self.clock: Callable[[], float] = time.monotonic  # the simulator swaps in simulated time
 
@@ -91,18 +96,34 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
+        self.in_flight.discard(request)
         self.block_manager.free(request)
         request.status = status
         request.finished_time = self.clock()
 
     def commit(self, batch: ScheduledBatch) -> list[Request]:
-        """The batch ran: advance computed tokens; return the requests whose output to sample."""
+        """The batch ran: advance computed tokens; return the requests whose output to sample.
+        Requests finished (aborted) while the batch was in flight are skipped."""
         ready = []
         for request, n in zip(batch.requests, batch.num_tokens):
+            if request.status is not RequestStatus.RUNNING:
+                continue
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens:
                 ready.append(request)
+        if self.in_flight:
+            self.in_flight.difference_update(batch.requests)
         return ready
+
+    def mark_in_flight(self, batch: ScheduledBatch) -> None:
+        """The batch was submitted to a pipeline: hold its requests until `commit`."""
+        self.in_flight.update(batch.requests)
+
+    def schedulable(self) -> list[Request]:
+        """Running requests that may be granted tokens now (not in flight)."""
+        if not self.in_flight:
+            return self.running
+        return [r for r in self.running if r not in self.in_flight]
 
     # ------------------------------------------------------------ primitives for policies
     def budget_left(self, batch: ScheduledBatch) -> int:
@@ -126,7 +147,9 @@ class Scheduler:
         while blocks run short. False if the request itself had to be preempted."""
         target = request.num_computed_tokens + num_tokens
         while not self.block_manager.allocate(request, target):
-            victim = self.running[-1]
+            # The newest running request whose micro-batch is not in flight (`request` itself at worst).
+            victim = self.running[-1] if not self.in_flight else next(
+                r for r in reversed(self.running) if r not in self.in_flight)
             self.preempt(victim, batch)
             if victim is request:
                 return False
@@ -155,10 +178,10 @@ class Scheduler:
         return request.num_computed_tokens + num_tokens
 
     def running_decodes(self) -> list[Request]:
-        return [r for r in self.running if r.is_decode]
+        return [r for r in self.schedulable() if r.is_decode]
 
     def running_prefills(self) -> list[Request]:
-        return [r for r in self.running if not r.is_decode]
+        return [r for r in self.schedulable() if not r.is_decode]
 
     @staticmethod
     def still_running(requests: Iterable[Request]) -> Iterable[Request]:

@@ -115,6 +115,36 @@ class TensorParallel:
             torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's x along the last dim on the group's first rank (None elsewhere)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(x.contiguous(), parts, group=self.group, group_dst=0)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's [start, start + rows) slice of the vocabulary; the last slice is padded."""
+        rows = -(-vocab_size // self.size)
+        return self.rank * rows, rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table split by vocabulary rows: a rank looks up the ids in its slice, zeros
+    the others, and the all-reduce sums the one non-zero row per token."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.start, self.rows = tp.vocab_range(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel):
@@ -185,12 +215,14 @@ class LlamaModel(nn.Module):
         self.is_last = self.last_layer == config.num_layers
         self.rotary = RotaryEmbedding(config)
         if self.is_first:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if self.tp.size == 1
+                                 else VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp))
         self.layers = nn.ModuleList(DecoderLayer(config, self.tp)
                                     for _ in range(self.first_layer, self.last_layer))
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # Vocabulary-parallel: this rank's rows of the LM head (all of them without TP).
+            self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_range(config.vocab_size)[1], bias=False)
         self.requires_grad_(False)
 
     @property
@@ -208,5 +240,11 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv_cache[i], meta)
         return self.norm(x) if self.is_last else x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab]; with TP each rank computes its vocabulary slice and the first
+        rank gathers them (the others get None)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_last_dim(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size]

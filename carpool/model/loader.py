@@ -7,7 +7,7 @@ Both sources are turned into one stream of (Hugging Face parameter name, tensor)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,8 @@ def hf_model_config(folder: Path) -> ModelConfig:
     )
 
 
-def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(folder: Path, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs; tensors `wanted` rejects are not read at all."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -72,7 +73,8 @@ def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if wanted is None or wanted(name):
+                    yield name, st.get_tensor(name)
 
 
 # ---------------------------------------------------------------- GGUF files
@@ -132,24 +134,16 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs; tensors `wanted` rejects are never dequantized."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name} has unsupported type "
-                             f"{GGMLQuantizationType(t.tensor_type).name}") from e
-        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, kind, suffix = parts[1], parts[2], parts[3]
-            if kind == "attn_q":
-                w = unpermute_qk(w, config.num_heads)
-            elif kind == "attn_k":
-                w = unpermute_qk(w, config.num_kv_heads)
             if kind not in _GGUF_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {t.name}")
             name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
@@ -159,6 +153,18 @@ def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
                     "output.weight": "lm_head.weight"}.get(t.name)
             if name is None:
                 continue  # e.g. rope_freqs: recomputed from the metadata
+        if wanted is not None and not wanted(name):
+            continue
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name} has unsupported type "
+                             f"{GGMLQuantizationType(t.tensor_type).name}") from e
+        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if parts[0] == "blk" and parts[2] == "attn_q":
+            w = unpermute_qk(w, config.num_heads)
+        elif parts[0] == "blk" and parts[2] == "attn_k":
+            w = unpermute_qk(w, config.num_kv_heads)
         yield name, torch.from_numpy(w)
 
 
@@ -192,16 +198,24 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         p.data.narrow(0, offset, w.shape[0]).copy_(w)
         loaded.add(f"{target}@{offset}")
 
+    def put_vocab(target: str, w: torch.Tensor) -> None:
+        """This rank's vocabulary rows; rows past the vocabulary (padding of the last slice) are 0."""
+        if tp.size == 1:
+            return put(target, w)
+        start, rows = tp.vocab_range(cfg.vocab_size)
+        params[target].data.zero_()
+        put(target, w[start:start + rows])
+
     for name, w in weights:
         if name == "model.embed_tokens.weight":
             if model.is_first:
-                put("embed_tokens.weight", w)
+                put_vocab("embed_tokens.weight", w)
             if model.is_last and cfg.tie_word_embeddings:
-                put("lm_head.weight", w)
+                put_vocab("lm_head.weight", w)
             continue
         if name == "lm_head.weight":
             if model.is_last:
-                put("lm_head.weight", w)
+                put_vocab("lm_head.weight", w)
             continue
         if name == "model.norm.weight":
             if model.is_last:
@@ -244,18 +258,32 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:6])}")
 
 
+def stage_wants(model: LlamaModel) -> Callable[[str], bool]:
+    """Which checkpoint tensors a pipeline stage needs: its layers, plus the embedding on the
+    first stage and the final norm and LM head (or the tied embedding) on the last."""
+    def wanted(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return model.first_layer <= int(name.split(".")[2]) < model.last_layer
+        if name == "model.embed_tokens.weight":
+            return model.is_first or (model.is_last and model.config.tie_word_embeddings)
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return model.is_last
+        return True
+    return wanted
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
                last_layer: int | None = None, tp: TensorParallel | None = None,
                gguf_reader=None) -> LlamaModel:
     if is_gguf(path):
         reader = gguf_reader or open_gguf(path)
         config = gguf_model_config(reader)
-        weights = gguf_weights(reader, config)
     else:
         config = hf_model_config(Path(path))
-        weights = hf_weights(Path(path))
     with torch.device("meta"):
         model = LlamaModel(config, first_layer, last_layer, tp)
+    wanted = None if model.is_first and model.is_last else stage_wants(model)
+    weights = gguf_weights(reader, config, wanted) if is_gguf(path) else hf_weights(Path(path), wanted)
     model.to_empty(device="cpu")
     load_weights(model, weights)
     model = model.to(device=device, dtype=dtype).eval()

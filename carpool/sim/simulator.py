@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from carpool.core.block_manager import BlockManager
@@ -101,28 +99,11 @@ class Replica:
         return (len(self.in_flight) < self.num_stages and self.stage_free[0] <= now
                 and self.scheduler.has_unfinished_requests())
 
-    @contextmanager
-    def _hide_in_flight(self) -> Iterator[None]:
-        """The scheduler neither schedules nor preempts requests whose micro-batch is in flight."""
-        busy = {id(r) for mb in self.in_flight for r in mb.batch.requests}
-        if not busy:
-            yield
-            return
-        running = self.scheduler.running
-        kept = [r for r in running if id(r) not in busy]
-        hidden = [(i, r) for i, r in enumerate(running) if id(r) in busy]
-        running[:] = kept
-        try:
-            yield
-        finally:
-            for i, r in hidden:
-                running.insert(i, r)
-
     def launch(self, now: float) -> MicroBatch | None:
-        with self._hide_in_flight():
-            batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()
         if not batch.requests:
             return None
+        self.scheduler.mark_in_flight(batch)  # not scheduled again until its micro-batch returns
         shape = BatchShape.of(batch)
         starts, ends, waited, ready = [], [], 0.0, now
         for s in range(self.num_stages):

@@ -1,0 +1,171 @@
+"""`carpool simulate`: the benchmark's workloads, metrics, capacity search and plots, over a
+simulated deployment instead of the engine.
+
+The simulation's requests carry the same timestamps the engine records, so they go through
+`carpool.bench.metrics` exactly as a real run does. Iteration records are the micro-batches
+(start at stage 0, end at the last stage).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from carpool.bench.capacity import Evaluation, parse_slo, search_capacity
+from carpool.bench.metrics import IterationRecord, RequestTimeline, summarize, write_report
+from carpool.bench.workload import PromptSource, WorkloadConfig, build_workload, describe
+from carpool.sim.cost_model import BatchShape, CostModel, ProfiledCostModel
+from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
+from carpool.sim.simulator import ReplicaConfig, SimResult, simulate
+
+LENGTHS_ONLY = PromptSource(word_ids=[0])  # a simulation needs prompt lengths, not tokens
+
+
+def timelines(result: SimResult) -> list[RequestTimeline]:
+    return [RequestTimeline(r.request_id, r.arrival_time, list(r.token_times), r.num_prompt_tokens,
+                            r.first_scheduled_time, r.finished_time, r.num_preemptions,
+                            r.sampling_params.max_tokens) for r in result.requests]
+
+
+def iterations(result: SimResult) -> list[IterationRecord]:
+    return [IterationRecord(mb.start, mb.end - mb.start, mb.batch.num_prefill_tokens, mb.batch.num_decode_tokens,
+                            len(mb.batch), len(mb.batch.preempted)) for mb in result.micro_batches]
+
+
+def chrome_trace(result: SimResult) -> dict:
+    """Perfetto / chrome://tracing JSON: one track per replica stage, one slice per micro-batch."""
+    events = []
+    for i, mb in enumerate(result.micro_batches):
+        for s, (start, end) in enumerate(zip(mb.stage_start, mb.stage_end)):
+            events.append({"name": f"mb{i} p{mb.batch.num_prefill_tokens}+d{mb.batch.num_decode_tokens}",
+                           "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "pid": mb.replica, "tid": s,
+                           "args": {"prefill_tokens": mb.batch.num_prefill_tokens,
+                                    "decode_tokens": mb.batch.num_decode_tokens, "requests": len(mb.batch)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def pipeline_report(result: SimResult) -> dict:
+    import numpy as np
+
+    waits = list(result.request_pipeline_wait.values())
+    return {"bubble_fraction": result.bubble_fraction(),
+            "stage_busy_s": result.stage_busy,
+            "makespan_s": result.makespan,
+            "request_pipeline_wait_p50_s": float(np.median(waits)) if waits else None}
+
+
+def build_cost_model(args) -> tuple[CostModel, list[str]]:
+    if args.cost_model == "profile":
+        return ProfiledCostModel.load(args.profile, num_stages=args.pp), [f"cost model: profile {args.profile}"]
+    if args.gpu not in GPUS:
+        raise ValueError(f"unknown GPU {args.gpu!r}; choose {', '.join(GPUS)}")
+    kwargs = {"profiles": Path(args.profiles_dir)} if args.profiles_dir else {}
+    model = GpuCostModel(resolve_shape(args.model_shape), GPUS[args.gpu], tp=args.tp, num_stages=args.pp,
+                         gpus_per_node=args.gpus_per_node, **kwargs)
+    return model, model.notes
+
+
+def reference_decode_time(cost: CostModel) -> float:
+    """One request decoding alone at a short context: what 'strict = 5x' is relative to."""
+    shape = BatchShape(decode_contexts=(128,), num_sampled=1)
+    return sum(cost.stage_time(shape, s) for s in range(cost.num_stages))
+
+
+def workload_config(args, qps: float | None) -> WorkloadConfig:
+    return WorkloadConfig(
+        num_requests=args.num_requests, lengths=args.lengths, prompt_len=args.prompt_len,
+        output_len=args.output_len, min_prompt_len=args.prompt_range[0], max_prompt_len=args.prompt_range[1],
+        min_output_len=args.output_range[0], max_output_len=args.output_range[1], zipf_theta=args.zipf_theta,
+        trace=args.trace, length_scale=args.length_scale, trace_offset=args.trace_offset,
+        arrivals=args.arrivals, qps=qps, burstiness=args.burstiness, max_model_len=args.max_model_len,
+        seed=args.seed)
+
+
+def run_simulate(args) -> dict:
+    cost, notes = build_cost_model(args)
+    for n in notes:
+        print(f"note: {n}")
+    ref = reference_decode_time(cost)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"notes": notes, "reference_decode_s": ref, "schedulers": {}}
+
+    def run_once(scheduler: str, budget: int, qps: float | None) -> tuple[SimResult, list, list]:
+        specs = build_workload(workload_config(args, qps), LENGTHS_ONLY)
+        cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
+                            block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len)
+        result = simulate(specs, cfg, cost, num_replicas=args.replicas)
+        return result, timelines(result), iterations(result)
+
+    for spec in args.schedulers:
+        budget = spec.budget or args.max_num_batched_tokens
+        t0 = time.perf_counter()
+        result, tl, its = run_once(spec.name, budget, args.qps)
+        summary, per_request = summarize(tl, its, decode_time=ref)
+        folder = out / spec.label
+        write_report(folder, summary, per_request, tl, its, meta={"scheduler": spec.label, "qps": args.qps})
+        (folder / "trace.json").write_text(json.dumps(chrome_trace(result)))
+        entry = {"summary": summary.to_dict(), "pipeline": pipeline_report(result),
+                 "simulated_in_s": time.perf_counter() - t0}
+        print(f"{spec.label}: {len(tl)} requests in {entry['simulated_in_s']:.2f} s wall; "
+              f"TTFT p50 {summary.ttft.p50:.3f} s, TBT p99 {summary.tbt.p99:.4f} s, "
+              f"bubble fraction {entry['pipeline']['bubble_fraction']:.3f}")
+        for slo_name in [s for s in args.capacity or [] if spec.slo in (None, s)]:
+            slo = parse_slo(slo_name, ref)
+
+            def evaluate(qps: float) -> Evaluation:
+                t = time.perf_counter()
+                _, tl_q, its_q = run_once(spec.name, budget, qps)
+                s, _ = summarize(tl_q, its_q, decode_time=ref)
+                ok, why = slo.check(s)
+                return Evaluation(qps, ok, why, {"tbt_p99": s.tbt.p99, "scheduling_delay_p50": s.scheduling_delay.p50},
+                                  time.perf_counter() - t)
+
+            cap = search_capacity(evaluate, args.qps or 1.0, rel_tol=args.capacity_tolerance, max_evals=20)
+            entry.setdefault("capacity", {})[slo_name] = {**cap.to_dict(), "slo_tbt_p99_s": slo.tbt_p99}
+            print(f"  capacity under {slo_name} (P99 TBT <= {slo.tbt_p99 * 1e3:.1f} ms): {cap.capacity:.3f} QPS "
+                  f"(bracket {cap.lower}..{cap.upper})")
+        report["schedulers"][spec.label] = entry
+    report["workload"] = describe(build_workload(workload_config(args, args.qps), LENGTHS_ONLY))
+    report["args"] = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
+                      for k, v in vars(args).items() if k != "func"}
+    (out / "simulation.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out / 'simulation.json'}")
+    return report
+
+
+def add_simulate_args(p) -> None:
+    from carpool.bench.options import add_workload_args, positive_float, positive_int, scheduler_list
+
+    g = p.add_argument_group("deployment")
+    g.add_argument("--cost-model", choices=("profile", "gpu"), default="profile",
+                   help="profile: this machine's `carpool profile` CSV; gpu: A100/H100 operator profiles")
+    g.add_argument("--profile", default="bench_results/profile.csv")
+    g.add_argument("--gpu", default="a100", help="a100 or h100 (cost-model gpu)")
+    g.add_argument("--model-shape", default="mistral-7b",
+                   help="built-in shape (mistral-7b, yi-34b, llama-2-70b, falcon-180b, gpt-3-175b, ...) "
+                        "or a HF config.json / its folder")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel GPUs per stage")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8)
+    g.add_argument("--profiles-dir", default=None, help="default: ../shared/profiles")
+    g.add_argument("--replicas", type=positive_int, default=1)
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi"),
+                   help="comma list of NAME[:BUDGET]")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    g.add_argument("--max-num-seqs", type=positive_int, default=256)
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--num-blocks", type=positive_int, default=16384, help="KV blocks per replica")
+    g.add_argument("--max-model-len", type=positive_int, default=8192)
+    g = p.add_argument_group("run")
+    g.add_argument("--qps", type=positive_float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--capacity", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="also search capacity under these SLOs, e.g. strict,relaxed or 200ms")
+    g.add_argument("--capacity-tolerance", type=positive_float, default=0.05)
+    g.add_argument("--output", default="bench_results/simulate")
+    add_workload_args(p)
