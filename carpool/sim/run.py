@@ -100,10 +100,13 @@ def run_simulate(args) -> dict:
         result = simulate(specs, cfg, cost, num_replicas=args.replicas)
         return result, timelines(result), iterations(result)
 
+    runs: dict[str, list[RequestTimeline]] = {}
+    capacities: dict[str, dict[str, float]] = {}
     for spec in args.schedulers:
         budget = spec.budget or args.max_num_batched_tokens
         t0 = time.perf_counter()
         result, tl, its = run_once(spec.name, budget, args.qps)
+        runs[spec.label] = tl
         summary, per_request = summarize(tl, its, decode_time=ref)
         folder = out / spec.label
         write_report(folder, summary, per_request, tl, its, meta={"scheduler": spec.label, "qps": args.qps})
@@ -126,9 +129,17 @@ def run_simulate(args) -> dict:
 
             cap = search_capacity(evaluate, args.qps or 1.0, rel_tol=args.capacity_tolerance, max_evals=20)
             entry.setdefault("capacity", {})[slo_name] = {**cap.to_dict(), "slo_tbt_p99_s": slo.tbt_p99}
+            capacities.setdefault(slo_name, {})[spec.label] = cap.capacity
             print(f"  capacity under {slo_name} (P99 TBT <= {slo.tbt_p99 * 1e3:.1f} ms): {cap.capacity:.3f} QPS "
                   f"(bracket {cap.lower}..{cap.upper})")
         report["schedulers"][spec.label] = entry
+    if not args.no_plots:
+        from carpool.bench import plots
+
+        plots.tbt_cdf(runs, out / "tbt_cdf.png", slo=5 * ref, title=f"Simulated TBT CDF (strict SLO = {5 * ref * 1e3:.0f} ms)")
+        plots.token_timeline(runs, out / "token_timeline.png", stall_threshold=5 * ref)
+        if capacities:
+            plots.capacity_bars(capacities, out / "capacity.png", title="Simulated capacity (QPS)")
     report["workload"] = describe(build_workload(workload_config(args, args.qps), LENGTHS_ONLY))
     report["args"] = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
                       for k, v in vars(args).items() if k != "func"}
@@ -168,4 +179,5 @@ def add_simulate_args(p) -> None:
                    help="also search capacity under these SLOs, e.g. strict,relaxed or 200ms")
     g.add_argument("--capacity-tolerance", type=positive_float, default=0.05)
     g.add_argument("--output", default="bench_results/simulate")
+    g.add_argument("--no-plots", action="store_true")
     add_workload_args(p)

@@ -40,6 +40,7 @@ def test_simulate_gpu_cli(tmp_path, capsys):
         assert entry["summary"]["num_completed"] == 60
         assert 0 <= entry["pipeline"]["bubble_fraction"] < 1
     assert (out / "sarathi" / "trace.json").exists() and (out / "orca" / "requests.csv").exists()
+    assert (out / "tbt_cdf.png").exists() and (out / "token_timeline.png").exists()
     assert "attention modelled" in capsys.readouterr().out
 
 
@@ -53,6 +54,7 @@ def test_simulate_profile_cli_with_capacity(tmp_path):
     assert rc == 0
     cap = json.loads((out / "simulation.json").read_text())["schedulers"]["sarathi"]["capacity"]["relaxed"]
     assert cap["capacity"] > 0 and cap["lower"] is not None
+    assert (out / "capacity.png").exists()
 
 
 def test_simulate_bad_inputs(tmp_path, capsys):
