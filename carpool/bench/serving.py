@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from carpool.bench import plots
 from carpool.bench.capacity import SLO, CapacityResult, Evaluation, SLOMonitor, parse_slo, search_capacity
 from carpool.bench.drivers import InProcessDriver, OnlineDriver, RunResult
 from carpool.bench.hostload import ContentionMonitor, combine, wait_for_quiet
-from carpool.bench.metrics import RequestTimeline, Summary, decode_iteration_median, summarize, tbts, write_report
+from carpool.bench.metrics import Summary, decode_iteration_median, summarize, tbts, write_report
 from carpool.bench.options import SchedulerSpec
 from carpool.bench.workload import PromptSource, RequestSpec, WorkloadConfig, build_workload, describe
 from carpool.config import EngineConfig
@@ -128,13 +129,15 @@ def measured_run(args, driver, specs: list[RequestSpec], stop=None) -> RunResult
     guard = isinstance(driver, InProcessDriver) and not getattr(args, "no_contention_check", True)
     if not guard:
         return driver.run(specs, stop=stop)
-    for _ in range(args.retries + 1):
+    started = time.monotonic()
+    for attempt in range(1, args.retries + 2):
         if not wait_for_quiet(log=say):
             say("  warning: the host did not go quiet within 15 min; measuring anyway")
         monitor = ContentionMonitor(args.contention_cores)
         result = driver.run(specs, stop=combine(stop, monitor))
         if not (result.stopped_early or "").startswith("host contended"):
-            result.notes["other_cpu_peak_cores"] = monitor.peak
+            result.notes.update(other_cpu_peak_cores=monitor.peak, attempts=attempt,
+                                waited_s=time.monotonic() - started - (result.end_time - result.start_time))
             return result
         say(f"  {result.stopped_early}: discarding this run and measuring again")
     raise HostContendedError(f"other processes kept using the CPUs through {args.retries + 1} attempts; "
@@ -243,7 +246,6 @@ def run_serving(args, base: EngineConfig | None, default_schedulers: list[Schedu
         for qps in qps_list:
             wcfg = workload_config(args, qps=qps)
             workload = target.workload(wcfg)
-            t = time.monotonic()
             result = measured_run(args, driver, workload)
             summary, per_request = summarize(result.timelines, result.iterations, args.stall_threshold, reference)
             qtag = "burst" if qps is None else f"qps_{qps:g}"
@@ -252,7 +254,7 @@ def run_serving(args, base: EngineConfig | None, default_schedulers: list[Schedu
                                                                     "workload_stats": describe(workload),
                                                                     "driver": result.notes,
                                                                     "reference_decode_time": reference}))
-            row = row_of(label, qps, summary, {"wall_s": time.monotonic() - t})
+            row = row_of(label, qps, summary, {"wall_s": result.end_time - result.start_time})
             rows.append(row)
             runs[(label, qps)] = result.timelines
             curves.setdefault(label, []).append({"qps": qps, "ttft_p99": summary.ttft.p99, "tbt_p99": summary.tbt.p99})
@@ -334,9 +336,8 @@ class CapacityRunner:
             specs = self.workload(qps)
             total_tbts = sum(s.output_len - 1 for s in specs)
             monitor = SLOMonitor(slo, len(specs), total_tbts, check_scheduling=not self.target.online)
-            t = time.monotonic()
             result = measured_run(self.args, self.driver, specs, stop=monitor)
-            secs = time.monotonic() - t
+            secs = result.end_time - result.start_time  # the measured run only, not waits for a quiet host
             summary, per_request = summarize(result.timelines, result.iterations, self.args.stall_threshold,
                                              self.reference)
             stopped = result.stopped_early
@@ -396,7 +397,7 @@ def run_capacity(args, base: EngineConfig | None, specs: list[SchedulerSpec] | N
             slo = parse_slo(slo_name, reference, args.scheduling_delay)
             say(f"== {label}, {slo_name} SLO: P99 TBT <= {slo.tbt_p99 * 1e3:.0f} ms, "
                 f"P50 scheduling delay <= {slo.scheduling_delay_p50:g} s")
-            res: CapacityResult = search_capacity(lambda q: runner.evaluate(q, slo), args.start_qps,
+            res: CapacityResult = search_capacity(partial(runner.evaluate, slo=slo), args.start_qps,
                                                   min_qps=args.min_qps, max_qps=args.max_qps,
                                                   rel_tol=args.resolution, max_evals=args.max_evals, log=say)
             say(f"  capacity {res.capacity:.3f} QPS (bracket {fmt(res.lower, 1, 3)}..{fmt(res.upper, 1, 3)}, "

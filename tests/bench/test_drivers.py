@@ -72,7 +72,8 @@ def test_in_process_stop_aborts_everything(engine, prompts):
 
     result = InProcessDriver(engine, check_interval=0.05).run(specs, stop=stop)
     assert result.stopped_early == "enough" and calls
-    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
     assert all(not t.completed for t in result.timelines)
 
 
