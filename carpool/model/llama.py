@@ -177,6 +177,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
+        if config.intermediate_size % tp.size:
+            raise ValueError(f"intermediate size {config.intermediate_size} does not split over "
+                             f"tensor-parallel size {tp.size}")
         self.tp = tp
         self.inter = config.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
