@@ -31,7 +31,7 @@ from carpool.config import EngineConfig
 
 # Sizes of `carpool capacity --quick` and of the full search (see BENCHMARKS.md).
 QUICK = dict(duration=30.0, min_requests=16, max_evals=6, resolution=0.15)
-FULL = dict(duration=90.0, min_requests=40, max_evals=8, resolution=0.1)
+FULL = dict(duration=60.0, min_requests=24, max_evals=7, resolution=0.1)
 
 
 def say(msg: str) -> None:

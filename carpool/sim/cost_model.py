@@ -110,7 +110,9 @@ class ProfiledCostModel:
 
     linear(tokens)            every non-attention op of all layers, embedding included
     prefill_attn(chunk, prefix)   attention of one prefill chunk, all layers
-    decode_attn(batch, mean context)  batched decode attention, all layers
+    decode_attn(batch, context)  batched decode attention, all layers, equal contexts; a real
+                              batch is looked up at its longest context, since the CPU kernel
+                              pads every row to it (a mean under-predicted mixed batches ~2x)
     sample(rows)              LM head + sampling for the rows sampled
     overhead                  per-iteration CPU work outside the model (scheduling, inputs)
     calibration               measured / predicted step time on real engine steps (median)
@@ -135,8 +137,7 @@ class ProfiledCostModel:
         t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
         t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)
         if shape.decode_contexts:
-            d = len(shape.decode_contexts)
-            t += self.decode_attn(d, sum(shape.decode_contexts) / d)
+            t += self.decode_attn(len(shape.decode_contexts), max(shape.decode_contexts))
         t /= self.num_stages
         if stage == self.num_stages - 1:
             t += (interp1(*self.sample, shape.num_sampled) if shape.num_sampled else 0.0) + self.overhead

@@ -19,6 +19,7 @@ import numpy as np
 
 from carpool.bench.drivers import InProcessDriver
 from carpool.bench.metrics import summarize
+from carpool.bench.options import SchedulerSpec
 from carpool.bench.workload import PromptSource, build_workload
 from carpool.engine import LLMEngine
 from carpool.sim.cost_model import BatchShape, ProfiledCostModel
@@ -32,11 +33,12 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
-def compare(engine: LLMEngine, cost: ProfiledCostModel, scheduler: str, args) -> dict:
+def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, args) -> dict:
     from carpool.core.scheduler import make_scheduler
 
-    engine.scheduler = make_scheduler(scheduler, engine.block_manager, args.max_num_batched_tokens,
-                                      args.max_num_seqs, engine.max_model_len)
+    scheduler, budget = spec.name, spec.budget or args.max_num_batched_tokens
+    engine.scheduler = make_scheduler(scheduler, engine.block_manager, budget, args.max_num_seqs,
+                                      engine.max_model_len)
     specs = build_workload(workload_config(args, args.qps), PromptSource.from_tokenizer(engine.tokenizer))
     shapes: list[BatchShape] = []
     real_execute = engine.runner.execute
@@ -53,10 +55,12 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, scheduler: str, args) ->
         steps = list(engine.iteration_stats)[start:]
     measured = [s.duration for s in steps]
     predicted = [sum(cost.stage_time(sh, st) for st in range(cost.num_stages)) for sh in shapes[-len(steps):]]
-    errors = np.abs(np.array(predicted) - np.array(measured)) / np.array(measured)
+    signed = (np.array(predicted) - np.array(measured)) / np.array(measured)
+    errors = np.abs(signed)
+    with_prefill = np.array([bool(sh.prefills) for sh in shapes[-len(steps):]])
 
     sim_specs = build_workload(workload_config(args, args.qps), LENGTHS_ONLY)
-    cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=args.max_num_batched_tokens,
+    cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget,
                         max_num_seqs=args.max_num_seqs, block_size=engine.block_manager.block_size,
                         num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
     sim = simulate(sim_specs, cfg, cost)
@@ -69,10 +73,13 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, scheduler: str, args) ->
             r, s = getattr(getattr(real_summary, metric), q), getattr(getattr(sim_summary, metric), q)
             latency[f"{metric}_{q}"] = {"real": r, "simulated": s, "error": relative_error(s, r)}
     return {
-        "scheduler": scheduler,
+        "scheduler": spec.label,
         "iterations": len(steps),
         "iteration_error_p50": float(np.median(errors)),
         "iteration_error_p90": float(np.percentile(errors, 90)),
+        # signed medians by kind: a bias on one kind shifts TTFT (prefills) or TBT (decodes)
+        "prefill_iteration_bias": float(np.median(signed[with_prefill])) if with_prefill.any() else None,
+        "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None,
         "iteration_time_real_s": float(np.sum(measured)),
         "iteration_time_predicted_s": float(np.sum(predicted)),
         "latency": latency,
@@ -83,20 +90,23 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, scheduler: str, args) ->
 def run_fidelity(config, args) -> dict:
     engine = LLMEngine(config)
     cost = ProfiledCostModel.load(args.profile)
-    results = [compare(engine, cost, spec.name, args) for spec in args.schedulers]
+    results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps({"profile": args.profile, "results": results}, indent=2))
-    lines = ["| scheduler | iterations | iteration error P50 / P90 | TTFT P50 real / sim (err) | "
+    lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | "
+             "TTFT P50 real / sim (err) | "
              "TTFT P99 real / sim (err) | TBT P50 real / sim (err) | TBT P99 real / sim (err) |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []
         for key in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"):
             v = r["latency"][key]
             cells.append(f"{v['real'] * 1e3:.0f} / {v['simulated'] * 1e3:.0f} ms ({v['error']:+.0%})")
+        bias = " / ".join("-" if b is None else f"{b:+.1%}"
+                          for b in (r["prefill_iteration_bias"], r["decode_iteration_bias"]))
         lines.append(f"| {r['scheduler']} | {r['iterations']} | {r['iteration_error_p50']:.1%} / "
-                     f"{r['iteration_error_p90']:.1%} | " + " | ".join(cells) + " |")
+                     f"{r['iteration_error_p90']:.1%} | {bias} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     print(table)

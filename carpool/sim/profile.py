@@ -2,7 +2,7 @@
 
 Each part is timed in isolation on exact shapes built with SyntheticBatches:
 linear layers (the model with attention stubbed out), prefill attention and decode attention
-(the real kernel over real block tables, one layer, times the layer count), LM head plus
+(the real kernel over real block tables, on every layer's cache in turn), LM head plus
 sampling, and the per-iteration work outside the model measured on real engine steps.
 """
 
@@ -22,11 +22,14 @@ from carpool.model import attention as attention_module
 from carpool.sampling_params import SamplingParams
 from carpool.sim.cost_model import Profile
 
-LINEAR_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-PREFILL_CHUNKS = (1, 16, 64, 128, 256, 512, 1024)
-PREFILL_PREFIXES = (0, 256, 512, 1024, 2048)
-DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64)
-DECODE_CONTEXT = (16, 128, 512, 1024, 2048)
+# Grids are dense where the cost bends: decode attention grows faster than linearly once a
+# batch's gathered KV outgrows the caches (16 -> 32 rows at 512 tokens: 2.5x the time), and a
+# sparse grid there under-predicts mixed batches by up to 30% (measured).
+LINEAR_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PREFILL_CHUNKS = (1, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
+PREFILL_PREFIXES = (0, 128, 256, 512, 768, 1024, 1536, 2048)
+DECODE_BATCH = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
+DECODE_CONTEXT = (16, 128, 256, 512, 768, 1024, 1536, 2048)
 SAMPLE_ROWS = (1, 4, 16, 64, 128)
 
 
@@ -44,7 +47,7 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
     layers = engine.model.num_local_layers
     runner, model = engine.runner, engine.model
     synth = SyntheticBatches(engine)
-    pick = (lambda xs: xs[::2] + ((xs[-1],) if len(xs) % 2 == 0 else ())) if quick else (lambda xs: xs)
+    grid = profile_grid(engine.max_model_len, quick)
 
     def forward(batch_grants):
         ids, pos, meta, _ = runner.prepare(synth.batch(batch_grants))
@@ -52,9 +55,11 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
 
     with torch.inference_mode():
         with attention_stubbed():
-            for n in pick(LINEAR_TOKENS):
+            warm_up(forward, synth, vocab, gen)
+            for n in grid["linear"]:
                 r = synth.new(torch.randint(vocab, (n,), generator=gen).tolist())
                 prof.add("linear", n, 0, median_time(forward([(r, n)]), repeats))
+                synth.close()
 
         attn = model.layers[0].self_attn
         head_dim, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
@@ -63,31 +68,63 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
             ids, pos, meta, _ = runner.prepare(synth.batch(grants))
             q = torch.randn(len(ids), heads, head_dim, generator=gen).to(runner.kv_cache.dtype)
             k = torch.randn(len(ids), kv_heads, head_dim, generator=gen).to(runner.kv_cache.dtype)
-            cache = runner.kv_cache[0]
-            return layers * median_time(
-                lambda: attention_module.paged_attention(q, k, k, cache, meta, attn.scale), repeats)
+            caches = list(runner.kv_cache)[:layers]
 
-        for prefix in pick(PREFILL_PREFIXES):
-            for n in pick(PREFILL_CHUNKS):
+            def every_layer():  # each layer's own cache, so KV comes from DRAM as in a real step
+                for cache in caches:
+                    attention_module.paged_attention(q, k, k, cache, meta, attn.scale)
+            return median_time(every_layer, repeats)
+
+        for prefix in grid["prefill_prefix"]:
+            for n in grid["prefill_chunk"]:
                 r = synth.with_cached_context(prefix, gen) if prefix else synth.new([0] * n)
                 if prefix:
                     r.token_ids.extend([0] * (n - 1))  # a prefill chunk, not a decode
                     r.num_prompt_tokens = len(r.token_ids)
                 prof.add("prefill_attn", n, prefix, attention_time([(r, n)]))
+                synth.close()
 
-        for ctx in pick(DECODE_CONTEXT):
-            reqs = [synth.with_cached_context(ctx - 1, gen) for _ in range(max(DECODE_BATCH))]
-            for d in pick(DECODE_BATCH):
+        for ctx in grid["decode_context"]:
+            reqs = [synth.with_cached_context(ctx - 1, gen) for _ in range(max(grid["decode_batch"]))]
+            for d in grid["decode_batch"]:
                 prof.add("decode_attn", d, ctx, attention_time([(r, 1) for r in reqs[:d]]))
             synth.close()
 
         hidden = torch.randn(max(SAMPLE_ROWS), model.config.hidden_size, generator=gen).to(runner.kv_cache.dtype)
-        for rows in pick(SAMPLE_ROWS):
+        for rows in grid["sample"]:
             prof.add("sample", rows, 0, median_time(lambda: model.compute_logits(hidden[:rows]).argmax(-1), repeats))
     synth.close()
     prof.add("overhead", 0, 0, step_overhead(engine))
     prof.add("calibration", 0, 0, calibrate(engine, prof))
     return prof
+
+
+def profile_grid(max_model_len: int, quick: bool = False) -> dict[str, list[int]]:
+    """The shapes to time, clipped to what the model can hold (a chunk plus its prefix, a
+    decode's context); `quick` keeps every other point and the last."""
+    def pick(xs, limit):
+        xs = [x for x in xs if x <= limit]
+        return xs[::2] + xs[-1:] * (len(xs) % 2 == 0) if quick else xs
+
+    chunks = pick(PREFILL_CHUNKS, max_model_len // 2)
+    return {"linear": pick(LINEAR_TOKENS, max_model_len),
+            "prefill_chunk": chunks,
+            "prefill_prefix": pick(PREFILL_PREFIXES, max_model_len - max(chunks)),
+            "decode_batch": pick(DECODE_BATCH, max(DECODE_BATCH)),
+            "decode_context": pick(DECODE_CONTEXT, max_model_len - 1),
+            "sample": pick(SAMPLE_ROWS, max(SAMPLE_ROWS))}
+
+
+def warm_up(forward, synth: SyntheticBatches, vocab: int, gen: torch.Generator, seconds: float = 3.0) -> None:
+    """Run forwards of several sizes for a few seconds before timing anything: the first
+    passes after loading run up to 2.5x slower (thread pool, allocator and page warm-up;
+    measured), and the smallest shapes are timed first."""
+    r = synth.new(torch.randint(vocab, (256,), generator=gen).tolist())
+    steps = [forward([(r, n)]) for n in (1, 16, 256)]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for step in steps:
+            step()
 
 
 def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float:
@@ -111,8 +148,9 @@ def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float
         shapes.append(BatchShape.of(batch))
         return real_execute(batch)
 
+    longest = min(1024, engine.max_model_len - 64)
     for _ in range(num_requests):
-        n = int(torch.randint(64, 1025, (1,), generator=rng))
+        n = int(torch.randint(min(64, longest), longest + 1, (1,), generator=rng))
         out = int(torch.randint(16, 65, (1,), generator=rng))
         engine.add_request(torch.randint(vocab, (n,), generator=rng).tolist(),
                            SamplingParams(max_tokens=out, ignore_eos=True, temperature=0))

@@ -42,7 +42,7 @@ def test_profiled_model_predicts_from_its_tables(tmp_path):
     shape = BatchShape(prefills=((256, 0),), decode_contexts=(100, 300), num_sampled=3)
     linear = interp1([1, 64, 512], [0.01 + n * 1e-4 for n in (1, 64, 512)], 258)
     prefill = interp1([1, 512], [1e-6 * 1 * 1, 1e-6 * 512 * 512], 256)  # bilinear: at prefix 0
-    expected = linear + prefill + 1e-6 * 2 * 200 + 3e-3 + 0.002  # decode: exact (d * c is bilinear)
+    expected = linear + prefill + 1e-6 * 2 * 300 + 3e-3 + 0.002  # decode: 2 rows padded to the longest
     assert model.stage_time(shape, 0) == pytest.approx(expected)
     two = ProfiledCostModel.load(path, num_stages=2)
     assert two.stage_time(shape, 0) + two.stage_time(shape, 1) == pytest.approx(expected)
