@@ -23,8 +23,9 @@ from carpool.sampling_params import SamplingParams
 from carpool.sim.cost_model import Profile
 
 # Grids are dense where the cost bends: decode attention grows faster than linearly once a
-# batch's gathered KV outgrows the caches (16 -> 32 rows at 512 tokens: 2.5x the time), and a
-# sparse grid there under-predicts mixed batches by up to 30% (measured).
+# batch's gathered KV outgrows the caches (16 -> 32 rows at 512 tokens: 2.5x the time). Linear
+# interpolation over a sparse grid there under-predicted real steps: the calibration factor that
+# absorbs it was 1.25 with 7 x 5 decode points, 1.09 with these.
 LINEAR_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PREFILL_CHUNKS = (1, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
 PREFILL_PREFIXES = (0, 128, 256, 512, 768, 1024, 1536, 2048)
@@ -117,7 +118,7 @@ def profile_grid(max_model_len: int, quick: bool = False) -> dict[str, list[int]
 
 def warm_up(forward, synth: SyntheticBatches, vocab: int, gen: torch.Generator, seconds: float = 3.0) -> None:
     """Run forwards of several sizes for a few seconds before timing anything: the first
-    passes after loading run up to 2.5x slower (thread pool, allocator and page warm-up;
+    passes after loading ran 2.3x slower (thread pool, allocator and page warm-up;
     measured), and the smallest shapes are timed first."""
     r = synth.new(torch.randint(vocab, (256,), generator=gen).tolist())
     steps = [forward([(r, n)]) for n in (1, 16, 256)]
