@@ -135,7 +135,8 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
                    help="uniform/zipf range of output lengths; trace lengths are clipped to it")
     g.add_argument("--zipf-theta", type=positive_float, default=1.0)
     g.add_argument("--trace", default=None,
-                   help="trace CSV: a path, or arxiv / splitwise (looked up in ../shared/traces)")
+                   help="trace CSV: a path, or arxiv / splitwise (shipped in carpool/data/traces; "
+                        "$CARPOOL_TRACES_DIR is searched first)")
     g.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply trace prompt AND output lengths by this (keeps P:D), then clip to the ranges")
     g.add_argument("--trace-offset", type=nonneg_int, default=None,

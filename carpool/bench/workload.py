@@ -3,8 +3,9 @@
 A workload is a list of `RequestSpec`s (arrival offset in seconds, prompt token ids, output
 length). Drivers replay it; nothing here knows about engines or HTTP.
 
-Lengths come from `fixed`, `uniform`, `zipf` or a trace CSV (`../shared/traces/`). Trace lengths
-are tokens of another tokenizer, so they are *scaled* into the serving model's context:
+Lengths come from `fixed`, `uniform`, `zipf` or a trace CSV (a path, or the name of one shipped
+in `carpool/data/traces/`). Trace lengths are tokens of another tokenizer, so they are *scaled*
+into the serving model's context:
 
     prompt = clip(round(num_prefill_tokens * length_scale), min_prompt_len, max_prompt_len)
     output = clip(round(num_decode_tokens  * length_scale), min_output_len, max_output_len)
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from carpool.data import TRACES_DIR
 
 LENGTH_KINDS = ("fixed", "uniform", "zipf", "trace")
 ARRIVAL_KINDS = ("poisson", "gamma", "trace", "burst")
@@ -132,11 +135,10 @@ class Trace:
 
 
 def trace_dirs() -> list[Path]:
-    """Where trace names are looked up: $CARPOOL_TRACES_DIR, then shared/traces next to or
-    above the checkout (the repository's layout), then ./shared/traces."""
-    repo = Path(__file__).resolve().parents[2]
+    """Where trace names are looked up: $CARPOOL_TRACES_DIR (users' own files), then the traces
+    shipped in the package."""
     dirs = [Path(os.environ["CARPOOL_TRACES_DIR"])] if os.environ.get("CARPOOL_TRACES_DIR") else []
-    return dirs + [repo.parent / "shared" / "traces", repo / "shared" / "traces", Path("shared/traces")]
+    return dirs + [TRACES_DIR]
 
 
 def resolve_trace(name_or_path: str) -> Path:

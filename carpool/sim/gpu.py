@@ -1,11 +1,13 @@
 """GPU iteration times without a GPU: measured operator profiles plus modelled attention.
 
-`../shared/profiles/compute/<gpu>/<org>/<model>/mlp.csv` holds per-layer timings (ms) of every
-operator other than attention, measured on A100/H100 for a few Llama-family models, per token
-count and tensor-parallel degree. Attention is not profiled there, so it is modelled from FLOPs
-and bytes against the GPU's peak rates (with the efficiencies below). Tensor parallelism adds
-two all-reduces per layer, pipeline parallelism a send/recv between stages, both from the
-measured collective tables in `../shared/profiles/network/`.
+`carpool/data/profiles/compute/<gpu>/<org>/<model>/mlp.csv` (shipped in the package) holds
+per-layer timings (ms) of every operator other than attention, measured on A100/H100 for a few
+Llama-family models, per token count and tensor-parallel degree. Attention is not profiled
+there, so it is modelled from FLOPs and bytes against the GPU's peak rates (with the
+efficiencies below). Tensor parallelism adds two all-reduces per layer, pipeline parallelism a
+send/recv between stages, both from the measured collective tables in
+`carpool/data/profiles/network/`. `profiles=` (`carpool simulate --profiles-dir`) points at other
+profiles of the same layout.
 
 A model without its own profile borrows the closest profiled one's and scales each operator by
 the ratio of its FLOPs per token (QKV, output projection, MLP up and down separately).
@@ -18,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.data import PROFILES_DIR
 from carpool.sim.cost_model import BatchShape, interp1
 
 
@@ -177,7 +180,7 @@ class GpuCostModel:
     tp: int = 1
     num_stages: int = 1
     gpus_per_node: int = 8
-    profiles: Path = Path(__file__).resolve().parents[2].parent / "shared" / "profiles"
+    profiles: Path = PROFILES_DIR
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

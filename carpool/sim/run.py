@@ -162,7 +162,8 @@ def add_simulate_args(p) -> None:
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel GPUs per stage")
     g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     g.add_argument("--gpus-per-node", type=positive_int, default=8)
-    g.add_argument("--profiles-dir", default=None, help="default: ../shared/profiles")
+    g.add_argument("--profiles-dir", default=None,
+                   help="folder of vidur-format profiles (default: the A100/H100 ones in carpool/data/profiles)")
     g.add_argument("--replicas", type=positive_int, default=1)
     g = p.add_argument_group("scheduling")
     g.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi"),

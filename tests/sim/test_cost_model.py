@@ -1,15 +1,14 @@
-"""Cost models: profile files, interpolation, GPU estimates from the shared profiles."""
+"""Cost models: profile files, interpolation, GPU estimates from the shipped profiles."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from carpool.data import PROFILES_DIR
 from carpool.sim.cost_model import BatchShape, Grid2, Profile, ProfiledCostModel, interp1
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 
-PROFILES = Path(__file__).resolve().parents[2].parent / "shared" / "profiles"
+PROFILES = PROFILES_DIR  # carpool/data/profiles; tests pass it explicitly, as --profiles-dir does
 
 
 def test_interpolation():
