@@ -124,11 +124,12 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from carpool.server.api_server import run_server
+    from carpool.server.launch import run_server
+    from carpool.server.options import ServerOptions
 
     if args.model_tag:
         args.model = args.model_tag
-    return run_server(args)
+    return run_server(engine_config(args), ServerOptions.from_args(args))
 
 
 def cmd_bench_pipeline(args) -> int:
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(p)
-    from carpool.server import add_server_args
+    from carpool.server.options import add_server_args
 
     add_server_args(p)
     p.set_defaults(func=cmd_serve)

@@ -86,6 +86,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()  # submitted, not collected
         self._dead: str | None = None  # why the parallel workers failed; the engine then refuses work
+        # Steps in a row whose batch failed as a whole: a sticky fault (a broken device) shows
+        # as a run of these, which the server treats as the engine being dead.
+        self.num_consecutive_failed_steps = 0
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
                  num_blocks * config.block_size * per_token / 2**20,
@@ -176,7 +179,7 @@ class LLMEngine:
             if ex.max_in_flight > 1:
                 logits = self._drop_aborted(batch, logits)
             ready = self.scheduler.commit(batch)
-            tokens, logprobs = self.sampler(logits, ready) if ready else ([], [])
+            tokens, logprobs, errors = self.sampler(logits, ready) if ready else ([], [], [])
         except ExecutorError as exc:
             self._die(exc)
         except Exception as exc:  # fail this batch's requests; the engine keeps serving others
@@ -184,7 +187,10 @@ class LLMEngine:
             return self._fail(batch, f"{type(exc).__name__}: {exc}")
         now = time.monotonic()
         outputs = []
-        for request, token, lp in zip(ready, tokens, logprobs):
+        for request, token, lp, error in zip(ready, tokens, logprobs, errors):
+            if error is not None:  # this row alone failed to sample; the others go on
+                outputs.append(self._fail_request(request, error))
+                continue
             if lp is not None:
                 request.output_logprobs.append(lp)
             status = self.outputs.append_token(request, token, now)
@@ -192,6 +198,7 @@ class LLMEngine:
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
             outputs.append(self.outputs.make_output(request))
+        self.num_consecutive_failed_steps = 0
         self.iteration_stats.append(IterationStats(start, time.monotonic() - start, num_prefill,
                                                    num_decode, len(batch), len(batch.preempted)))
         return outputs
@@ -226,12 +233,12 @@ class LLMEngine:
         self.executor.shutdown()
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
-        outputs = []
-        for request in batch.requests:
-            if request.is_finished:  # aborted while its micro-batch was in flight
-                continue
-            request.error = message
-            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            self.requests.pop(request.request_id, None)
-            outputs.append(self.outputs.make_output(request))
-        return outputs
+        self.num_consecutive_failed_steps += 1
+        # Requests aborted while their micro-batch was in flight are already finished.
+        return [self._fail_request(r, message) for r in batch.requests if not r.is_finished]
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        request.error = message
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self.requests.pop(request.request_id, None)
+        return self.outputs.make_output(request)

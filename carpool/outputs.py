@@ -26,8 +26,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's progress after one step. `new_*` is what this step added; `text` and
-    `token_ids` are everything generated so far."""
+    """A request's progress after one step. `new_*` is what this step added; `text`,
+    `token_ids` and `logprobs` are everything generated so far, or, for requests with
+    `output_kind="delta"`, the same as `new_*` (so that no step copies the whole output)."""
 
     request_id: str
     prompt: str | None
@@ -98,22 +99,26 @@ class OutputProcessor:
         if not request.is_finished and request.sampling_params.stop:
             # Hold back a tail that might still become a stop string, so it is never streamed.
             visible = max(sent_chars, len(text) - (max(len(s) for s in request.sampling_params.stop) - 1))
-        out_ids = request.output_token_ids
-        self._sent[rid] = (visible, len(out_ids), len(request.output_logprobs))
+        self._sent[rid] = (visible, request.num_output_tokens, len(request.output_logprobs))
         wants_lp = request.sampling_params.logprobs is not None
+        new_text = text[sent_chars:visible]
+        new_ids = request.token_ids[request.num_prompt_tokens + sent_tokens:]
+        new_lp = request.output_logprobs[sent_lp:]
+        delta = request.sampling_params.output_kind == "delta"
+        out_ids = new_ids if delta else request.output_token_ids
         output = RequestOutput(
             request_id=rid,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            new_text=text[sent_chars:visible],
-            new_token_ids=out_ids[sent_tokens:],
-            text=text[:visible],
-            token_ids=out_ids,
+            new_text=new_text,
+            new_token_ids=new_ids,
+            text=new_text if delta else text[:visible],
+            token_ids=new_ids if delta else out_ids,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            new_logprobs=request.output_logprobs[sent_lp:],
-            logprobs=request.output_logprobs if wants_lp else None,
+            new_logprobs=new_lp,
+            logprobs=(new_lp if delta else request.output_logprobs) if wants_lp else None,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                    request.token_times, request.finished_time, request.num_preemptions),
             error=request.error,

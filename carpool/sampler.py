@@ -1,4 +1,9 @@
-"""Turn the last-position logits of each ready request into its next token (and logprobs)."""
+"""Turn the last-position logits of each ready request into its next token (and logprobs).
+
+A row whose numbers go bad (NaN or infinite logits after penalties and temperature, a
+distribution `multinomial` refuses) fails alone: its token is None and its error says why,
+while every other row of the batch is sampled as usual. One request's extreme parameters
+must never fail other clients' requests."""
 
 from __future__ import annotations
 
@@ -58,7 +63,9 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]
-                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+                 ) -> tuple[list[int | None], list[dict[int, float] | None], list[str | None]]:
+        """Returns per row: the token (None if the row failed), its logprobs entry, and the
+        error of a failed row."""
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
@@ -66,8 +73,12 @@ class Sampler:
         apply_penalties(logits, requests)
         mask_stops_before_min_tokens(logits, requests)
 
+        errors: list[str | None] = [None] * len(requests)
+        # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
+        for i in torch.nonzero(torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)).flatten().tolist():
+            errors[i] = "sampling failed: the logits became NaN or infinite (check the penalties)"
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]
         if random_rows:
             params = [requests[i].sampling_params for i in random_rows]
             rows = logits[random_rows] / torch.tensor([p.temperature for p in params])[:, None]
@@ -78,14 +89,23 @@ class Sampler:
                 torch.tensor([p.min_p for p in params]),
             )
             probs = rows.softmax(dim=-1)
+            bad_probs = (~torch.isfinite(probs).all(-1)).tolist()
             for j, i in enumerate(random_rows):
+                if bad_probs[j]:
+                    errors[i] = "sampling failed: the probabilities became NaN (check temperature and penalties)"
+                    continue
                 gen = requests[i].generator or self.generator
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+                try:
+                    tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+                except RuntimeError as exc:  # e.g. a distribution of NaNs or all zeros
+                    errors[i] = f"sampling failed: {exc}"
 
-        token_list = tokens.tolist()
+        token_list: list[int | None] = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         for i, req in enumerate(requests):
-            if want_logprobs[i]:
+            if errors[i] is not None:
+                token_list[i] = None
+            elif want_logprobs[i]:
                 n = req.sampling_params.logprobs
                 top = raw_logprobs[i].topk(n) if n else None
                 entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
@@ -93,4 +113,4 @@ class Sampler:
                     for v, t in zip(top.values.tolist(), top.indices.tolist()):
                         entry.setdefault(t, v)
                 logprobs[i] = entry
-        return token_list, logprobs
+        return token_list, logprobs, errors

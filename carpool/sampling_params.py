@@ -1,8 +1,29 @@
-"""How one request wants its tokens chosen and when it wants to stop."""
+"""How one request wants its tokens chosen and when it wants to stop.
+
+Every field is range-checked here, so that no value can make sampling produce NaNs or make one
+request slow down the steps it shares with others; the server's request models use the same
+limits, so the HTTP API and the Python API refuse the same things."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Beyond these, sampling is uniform noise or numerically unsafe (1/penalty overflows bf16/fp32
+# logits into inf), so they are refused rather than silently clipped.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Stop strings are searched after every token of the request: bound the work per step.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds are 64-bit
+
+# "cumulative": text and token_ids hold everything generated so far (every step copies them).
+# "delta": they hold only what this step added, as `new_text` / `new_token_ids` do; streaming
+# consumers use it so that a long generation costs O(length), not O(length^2).
+OutputKind = Literal["cumulative", "delta"]
 
 
 @dataclass
@@ -23,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return beside the sampled token
     skip_special_tokens: bool = True
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
@@ -37,32 +59,47 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop: stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if self.output_kind not in ("cumulative", "delta"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -201,6 +201,38 @@ def test_step_exception_fails_batch_and_engine_goes_on(engine_fp32, monkeypatch)
     assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
 
 
+def test_a_request_that_cannot_be_sampled_fails_alone(engine_fp32, prompts, alone):
+    """Sampling parameters that turn its row into NaNs fail that request, not its batch."""
+    poisoned = SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)
+    poisoned.repetition_penalty = 0.0  # past validation: x / 0 is inf, inf - inf is NaN
+    bad = engine_fp32.add_request(prompts[1], poisoned)
+    good = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    failed = []
+    while engine_fp32.has_unfinished_requests():
+        failed += [o for o in engine_fp32.step() if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == [bad.request_id] and "sampling failed" in bad.error
+    assert good.output_token_ids == alone[0]
+    assert engine_fp32.num_consecutive_failed_steps == 0
+    assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
+
+
+def test_delta_outputs_carry_only_the_new_tokens(engine_fp32, prompts, alone):
+    cumulative = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    delta = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                               output_kind="delta"))
+    pieces, texts, last_cumulative = [], [], None
+    while engine_fp32.has_unfinished_requests():
+        for out in engine_fp32.step():
+            if out.request_id == delta.request_id:
+                assert out.token_ids == out.new_token_ids and len(out.token_ids) <= 1
+                pieces += out.token_ids
+                texts.append(out.text)
+            elif out.request_id == cumulative.request_id:
+                last_cumulative = out
+    assert pieces == alone[0] == last_cumulative.token_ids
+    assert "".join(texts) == last_cumulative.text
+
+
 def test_llm_chat(engine_fp32, model_path):
     llm = LLM.__new__(LLM)  # reuse the loaded engine
     llm.engine, llm.tokenizer = engine_fp32, engine_fp32.tokenizer

@@ -43,7 +43,7 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax(seed, rows):
     logits = random_logits(rows, seed=seed)
     requests = [req(f"r{i}", temperature=0.0) for i in range(rows)]
-    tokens, logprobs = Sampler()(logits, requests)
+    tokens, logprobs, _ = Sampler()(logits, requests)
     assert tokens == logits.argmax(dim=-1).tolist()
     assert logprobs == [None] * rows
 
@@ -71,7 +71,7 @@ def test_sampler_does_not_modify_input_logits():
 
 def test_half_precision_logits():
     logits = random_logits(3).half()
-    tokens, _ = Sampler()(logits, [req(f"r{i}", temperature=0.0) for i in range(3)])
+    tokens, _, _ = Sampler()(logits, [req(f"r{i}", temperature=0.0) for i in range(3)])
     assert tokens == logits.float().argmax(dim=-1).tolist()
 
 
@@ -81,7 +81,7 @@ def test_half_precision_logits():
 def sample_support(logits_row: torch.Tensor, n: int = 400, **sp) -> set[int]:
     """Tokens drawn by the sampler for `n` copies of one row (shared sampler generator)."""
     logits = logits_row.expand(n, -1).clone()
-    tokens, _ = Sampler(seed=123)(logits, [req(f"r{i}", **sp) for i in range(n)])
+    tokens, _, _ = Sampler(seed=123)(logits, [req(f"r{i}", **sp) for i in range(n)])
     return set(tokens)
 
 
@@ -208,7 +208,7 @@ def seeded_sequence(seed: int, position: int, others: int, other_seed: int, step
         other_logits = torch.randn(others, VOCAB, generator=torch.Generator().manual_seed(other_seed + step))
         batch.insert(position, target)
         logits = torch.cat([other_logits[:position], row[None], other_logits[position:]])
-        tokens, _ = sampler(logits, batch)
+        tokens, _, _ = sampler(logits, batch)
         out.append(tokens[position])
     return out
 
@@ -342,7 +342,7 @@ def test_logprobs_are_raw_log_softmax(seed, n, temperature):
                     frequency_penalty=0.5),
                 req("b", logprobs=None, temperature=temperature),
                 req("c", logprobs=n, temperature=temperature, seed=seed)]
-    tokens, logprobs = Sampler(seed=seed)(logits, requests)
+    tokens, logprobs, _ = Sampler(seed=seed)(logits, requests)
     raw = logits.log_softmax(dim=-1)
     assert logprobs[1] is None
     for i in (0, 2):
@@ -354,3 +354,29 @@ def test_logprobs_are_raw_log_softmax(seed, n, temperature):
         for t, v in entry.items():
             assert v == pytest.approx(raw[i, t].item(), abs=1e-6)
         assert all(v <= 0 for v in entry.values())
+
+
+# ------------------------------------------------------------------ failures stay in their row
+
+
+@pytest.mark.parametrize("poison", [{"temperature": float("nan")}, {"repetition_penalty": 1e-45},
+                                    {"repetition_penalty": 0.0}])
+def test_a_row_whose_numbers_go_bad_fails_alone(poison):
+    """Parameters past validation (set after construction) must fail only their own row."""
+    logits = random_logits(3, seed=5)
+    requests = [req("a", temperature=0.7, seed=1), req("bad", temperature=0.7), req("c", temperature=0.0)]
+    for name, value in poison.items():
+        setattr(requests[1].sampling_params, name, value)
+    tokens, _, errors = Sampler(seed=0)(logits, requests)
+    assert errors[0] is None and errors[2] is None
+    assert tokens[1] is None and "sampling failed" in errors[1]
+    assert tokens[2] == int(logits[2].argmax())
+    alone = Sampler(seed=0)(logits[[0]], [req("a", temperature=0.7, seed=1)])[0]
+    assert tokens[0] == alone[0]  # the seeded neighbour draws what it draws alone
+
+
+def test_nan_logits_fail_only_their_row():
+    logits = random_logits(2, seed=1)
+    logits[0, 3] = float("nan")
+    tokens, _, errors = Sampler()(logits, [req("x", temperature=0.0), req("y", temperature=0.0)])
+    assert tokens[0] is None and errors[0] and tokens[1] == int(logits[1].argmax()) and errors[1] is None

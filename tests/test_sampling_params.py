@@ -54,6 +54,21 @@ BAD = [
     ("stop_token_ids", [1, "2"]),
     ("stop_token_ids", [1.0]),
     ("stop_token_ids", [True]),
+    # Values that would turn sampling into NaNs or noise, or slow every step down.
+    ("temperature", math.inf),
+    ("temperature", 1e30),
+    ("temperature", 100.5),
+    ("repetition_penalty", 1e-45),
+    ("repetition_penalty", 1e30),
+    ("repetition_penalty", math.inf),
+    ("presence_penalty", math.inf),
+    ("top_p", math.inf),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("stop", ["x"] * 33),
+    ("stop", ["y" * 257]),
+    ("stop_token_ids", list(range(257))),
+    ("output_kind", "final"),
 ]
 
 
@@ -89,12 +104,13 @@ def test_defaults_are_valid():
     dict(top_p=1.0), dict(top_p=1e-6),
     dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_k=50_000),
     dict(min_p=0.0), dict(min_p=1.0),
-    dict(repetition_penalty=1e-3),
+    dict(repetition_penalty=0.01), dict(repetition_penalty=100.0), dict(temperature=100.0),
     dict(presence_penalty=-2.0), dict(presence_penalty=2.0),
     dict(frequency_penalty=-2), dict(frequency_penalty=2),
     dict(logprobs=0), dict(logprobs=20),
-    dict(seed=0), dict(seed=-5),
-    dict(stop_token_ids=[0, 5]),
+    dict(seed=0), dict(seed=-5), dict(seed=2**63 - 1), dict(seed=-(2**63)),
+    dict(stop_token_ids=[0, 5]), dict(stop_token_ids=list(range(256))),
+    dict(stop=["s" * 256] * 32), dict(output_kind="delta"),
 ])
 def test_boundary_values_are_accepted(kwargs):
     sp = SamplingParams(**kwargs)
@@ -124,7 +140,7 @@ def test_greedy_and_penalty_flags():
 @given(
     max_tokens=st.integers(-5, 50),
     min_tokens=st.integers(-5, 60),
-    temperature=st.floats(-2, 5, allow_nan=False),
+    temperature=st.floats(-2, 5, allow_nan=False),  # the cap (100) is tested above
     top_p=st.floats(-0.5, 1.5, allow_nan=False),
     top_k=st.integers(-5, 100),
     logprobs=st.one_of(st.none(), st.integers(-3, 25)),

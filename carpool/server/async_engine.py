@@ -1,18 +1,22 @@
 """Drive a (thread-unsafe) LLMEngine from asyncio.
 
-One dedicated engine thread owns the engine: it is the only thread that calls `add_request`,
-`abort_request` and `step`. Coroutines on the event loop hand it commands through a locked
-list; before every step the thread drains that list, so adds and aborts land between
-iterations. Each step's outputs go back to the loop in one `call_soon_threadsafe` per request
-group, where they fill the group's asyncio.Queue. Many HTTP requests therefore stream
-independently while the model runs in batches off the event loop thread.
+One thread owns the engine and is the only one that calls `add_request`, `abort_request` and
+`step`: the process's main thread under `carpool serve` (torch's OpenMP pool stays hot there;
+the same loop on any other thread measured ~40% slower per step), or a background thread for
+embedding and tests (`start()`). Coroutines on the event loop hand it commands through a locked
+list; before every step the loop drains that list, so adds and aborts land between iterations.
+Each step's outputs go back to the event loop in one `call_soon_threadsafe` per request group.
 
-A `RequestGroup` is the engine requests of one HTTP request (n choices x prompts); its outputs
-arrive tagged with the index of the engine request inside the group.
+A `RequestGroup` is the engine requests of one HTTP request (n choices x prompts). Its engine
+requests produce deltas (`output_kind="delta"`), and deltas that its reader has not taken yet
+are merged per choice, so a client that stops reading holds O(output length) memory, never a
+queue that grows with every step.
 
-If `step()` itself raises (the engine fails a bad batch by itself, so this means its state can
-no longer be trusted), the loop dies: every live group gets `EngineDeadError`, new submissions
-are refused, and `healthy` turns False.
+Faults: a request the engine refuses (ValueError) is a 400 for that HTTP request only; any other
+exception from `add_request` fails that request alone (500) and the loop goes on. A step that
+fails fails its batch (the engine does that); `max_consecutive_failed_steps` such steps in a row
+mean a sticky fault, and, as when `step()` itself raises, the loop dies: every live group gets
+`EngineDeadError`, new submissions are refused, and `healthy` turns False (/health 503).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,6 +37,8 @@ from carpool.outputs import RequestOutput
 from carpool.sampling_params import SamplingParams
 
 log = logging.getLogger("carpool.server")
+
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -49,6 +55,10 @@ class RequestRejectedError(ValueError):
     def __init__(self, index: int, message: str):
         super().__init__(message)
         self.index = index
+
+
+class RequestFailedError(RuntimeError):
+    """add_request failed with something other than a ValueError: a server-side fault."""
 
 
 class StepObserver(Protocol):
@@ -74,14 +84,42 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class Delta:
+    """What one choice produced since its reader last looked: merged engine deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    _parts: list[str] = field(default_factory=list, repr=False)
+
+    def merge(self, out: RequestOutput) -> None:
+        self._parts.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.finished, self.finish_reason = out.finished, out.finish_reason
+        self.stop_reason, self.error = out.stop_reason, out.error
+
+    def seal(self) -> Delta:
+        self.text = "".join(self._parts)
+        self._parts = []
+        return self
+
+
 class RequestGroup:
-    """The engine requests behind one HTTP request; iterate it for (index, RequestOutput)."""
+    """The engine requests behind one HTTP request; iterate it for (index, Delta)."""
 
     def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop, request_ids: list[str]):
         self._engine = engine
         self._loop = loop
         self.request_ids = request_ids
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[int, Delta] = {}  # merged deltas not yet taken, by choice index
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._accepted = loop.create_future()
         # Mark a failure as retrieved even if the handler is gone (no "never retrieved" noise).
         self._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -104,12 +142,15 @@ class RequestGroup:
             self._accepted.set_result(None)
 
     def _deliver(self, items: list[tuple[int, RequestOutput]]) -> None:
-        self._queue.put_nowait(items)
+        for index, out in items:
+            self._pending.setdefault(index, Delta()).merge(out)
+        self._ready.set()
 
     def _fail(self, error: BaseException) -> None:
         if not self._accepted.done():
             self._accepted.set_exception(error)
-        self._queue.put_nowait(error)
+        self._error = error
+        self._ready.set()
 
     # ---------------------------------------------------- for the request handler
     async def wait_accepted(self) -> None:
@@ -123,15 +164,18 @@ class RequestGroup:
     def finished(self) -> bool:
         return len(self._finished) == len(self.request_ids)
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
         while not self.finished:
-            items = await self._queue.get()
-            if isinstance(items, BaseException):
-                raise items
-            for index, output in items:
-                if output.finished:
+            await self._ready.wait()
+            self._ready.clear()
+            pending, self._pending = self._pending, {}
+            for index in sorted(pending):
+                delta = pending[index].seal()
+                if delta.finished:
                     self._finished.add(index)
-                yield index, output
+                yield index, delta
+            if self._error is not None and not self.finished:
+                raise self._error
 
     def abort(self) -> None:
         """Abort every engine request of the group that has not finished (idempotent)."""
@@ -144,17 +188,20 @@ class RequestGroup:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None):
+                 observer: StepObserver | None = None,
+                 max_consecutive_failed_steps: int = MAX_CONSECUTIVE_FAILED_STEPS):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_consecutive_failed_steps = max_consecutive_failed_steps
         self.observer = observer
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._num_pending_adds = 0      # queued _Add commands not yet handed to the engine
         self._engine_waiting = 0        # len(scheduler.waiting) as of the last drain or step
         self._stop = False
+        self._running = False
         self._thread: threading.Thread | None = None
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # engine thread only
         self.error: BaseException | None = None
@@ -163,21 +210,33 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Run the loop on a background thread (for embedding and tests)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="carpool-engine", daemon=True)
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the engine loop on the calling thread until `stop()` or the engine dies."""
+        with self._cond:
+            if self._stop:
+                return
+            self._running = True
+        try:
+            self._loop()
+        finally:
+            self._running = False
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stop
+        return self._running and self.error is None and not self._stop
 
     @property
     def num_waiting(self) -> int:
@@ -185,14 +244,19 @@ class AsyncLLMEngine:
         with self._cond:
             return self._num_pending_adds + self._engine_waiting
 
+    def dead_message(self) -> str:
+        if self.error is not None:
+            return "the engine has stopped after an internal error; see the server log"
+        return "the engine is not running"
+
     # ------------------------------------------------------------ submitting (event loop thread)
     async def add_requests(self, entries: Sequence[tuple[list[int], SamplingParams]],
                            arrival_time: float | None = None, prefix: str | None = None) -> RequestGroup:
         """Queue one engine request per (prompt ids, params); return once the engine has
-        accepted them all. Raises EngineOverloadedError, EngineDeadError, or
-        RequestRejectedError (the engine's ValueError) -- in those cases nothing stays queued."""
+        accepted them all. Raises EngineOverloadedError, EngineDeadError, RequestRejectedError
+        (the engine's ValueError) or RequestFailedError -- then nothing stays queued."""
         if not self.healthy:
-            raise EngineDeadError(self._dead_message())
+            raise EngineDeadError(self.dead_message())
         loop = asyncio.get_running_loop()
         prefix = prefix or uuid.uuid4().hex
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -216,11 +280,6 @@ class AsyncLLMEngine:
             self._commands.extend(commands)
             self._cond.notify_all()
 
-    def _dead_message(self) -> str:
-        if self.error is not None:
-            return f"the engine loop has died: {type(self.error).__name__}: {self.error}"
-        return "the engine is not running"
-
     # ------------------------------------------------------------ the engine thread
     def _take_commands(self) -> list[_Add | _Abort]:
         with self._cond:
@@ -235,15 +294,7 @@ class AsyncLLMEngine:
         try:
             for cmd in commands:
                 if isinstance(cmd, _Add):
-                    try:
-                        engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
-                                           arrival_time=cmd.arrival_time)
-                    except ValueError as exc:
-                        self._call(cmd.group, cmd.group._on_added, cmd.index,
-                                   RequestRejectedError(cmd.index, str(exc)))
-                        continue
-                    self._routes[cmd.request_id] = (cmd.group, cmd.index)
-                    self._call(cmd.group, cmd.group._on_added, cmd.index, None)
+                    self._add(cmd)
                 else:
                     self._routes.pop(cmd.request_id, None)
                     if engine.abort_request(cmd.request_id):
@@ -258,7 +309,21 @@ class AsyncLLMEngine:
             if self.observer is not None:
                 self.observer.on_abort(engine, num_aborted)
 
-    def _run(self) -> None:
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
+                                    arrival_time=cmd.arrival_time)
+        except ValueError as exc:
+            error: BaseException | None = RequestRejectedError(cmd.index, str(exc))
+        except Exception:
+            log.exception("add_request failed for %s", cmd.request_id)
+            error = RequestFailedError("the server failed to queue this request; see the server log")
+        else:
+            self._routes[cmd.request_id] = (cmd.group, cmd.index)
+            error = None
+        self._call(cmd.group, cmd.group._on_added, cmd.index, error)
+
+    def _loop(self) -> None:
         torch.set_num_threads(self._torch_threads)
         engine = self.engine
         try:
@@ -282,6 +347,9 @@ class AsyncLLMEngine:
                     except Exception:  # metrics must never take the engine down
                         log.exception("metrics observer failed")
                 self._dispatch(outputs)
+                failed = engine.num_consecutive_failed_steps
+                if failed >= self.max_consecutive_failed_steps:
+                    raise EngineDeadError(f"{failed} engine steps in a row failed")
                 if not outputs and new_stats is None:
                     time.sleep(0.001)  # nothing could be scheduled; do not spin
         except BaseException as exc:
@@ -289,7 +357,7 @@ class AsyncLLMEngine:
             log.exception("the engine loop died")
             with self._cond:
                 commands, self._commands = self._commands, []
-            self._fail_all(EngineDeadError(self._dead_message()), commands)
+            self._fail_all(EngineDeadError(self.dead_message()), commands)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_group: dict[int, tuple[RequestGroup, list]] = {}
@@ -300,6 +368,8 @@ class AsyncLLMEngine:
             group, index = route
             if out.finished:
                 del self._routes[out.request_id]
+            if out.error:
+                log.error("request %s failed: %s", out.request_id, out.error)
             by_group.setdefault(id(group), (group, []))[1].append((index, out))
         for group, items in by_group.values():
             self._call(group, group._deliver, items)
@@ -307,6 +377,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException, pending: list[_Add | _Abort]) -> None:
         groups = {id(g): g for g, _ in self._routes.values()}
         groups.update({id(c.group): c.group for c in pending if isinstance(c, _Add)})
+        for request_id in list(self._routes):  # free their blocks if the engine still can
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                break
         self._routes.clear()
         with self._cond:
             self._num_pending_adds = 0

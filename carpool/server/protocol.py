@@ -11,7 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-MAX_LOGPROBS = 20
+from carpool.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                     MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN)
+
 MAX_N = 128
 
 
@@ -19,7 +22,8 @@ class APIError(Exception):
     """An HTTP error with an OpenAI-style body."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             500: "server_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 415: "invalid_request_error", 500: "server_error",
+             503: "service_unavailable"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
@@ -40,13 +44,16 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 
 # ---------------------------------------------------------------- request models
-# Strict: a string is not a number, a bool is not an int, 1.5 is not an int.
+# Strict: a string is not a number, a bool is not an int, 1.5 is not an int; and no number is
+# infinite or NaN (JSON `Infinity` and `1e400` are refused, never turned into inf).
 StrictInt = Annotated[int, Field(strict=True)]
-TokenIds = list[StrictInt]
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+TokenIds = list[TokenId]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -60,17 +67,17 @@ class _SamplingFields(_Strict):
     model: str | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     min_tokens: StrictInt = Field(0, ge=0)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
-    seed: StrictInt | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -84,10 +91,6 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.stop is not None:
-            stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if any(s == "" for s in stops):
-                raise ValueError("stop: stop strings must not be empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.logit_bias:

@@ -30,7 +30,7 @@ def final_texts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
 def test_server_on_a_pipeline(parallel_engine, tiny_llama):
     expected = final_texts(LLMEngine(model=tiny_llama, **TINY), PROMPTS, 10)
     engine = parallel_engine(model=tiny_llama, pipeline_parallel_size=2, **TINY)
-    served = start_server(engine, served_model_name="tiny")
+    served = start_server(engine, served_model_name=["tiny"])
     try:
         def complete(prompt):
             r = httpx.post(served.v1 + "/completions", timeout=60,
@@ -53,7 +53,7 @@ def test_server_on_a_pipeline(parallel_engine, tiny_llama):
 
 def test_server_when_a_worker_dies(parallel_engine, tiny_llama):
     engine = parallel_engine(model=tiny_llama, pipeline_parallel_size=2, **TINY)
-    served = start_server(engine, served_model_name="tiny")
+    served = start_server(engine, served_model_name=["tiny"])
     body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0}
     try:
         assert httpx.post(served.v1 + "/completions", json=body, timeout=60).status_code == 200

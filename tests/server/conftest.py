@@ -16,7 +16,9 @@ import pytest
 import uvicorn
 
 from carpool import LLMEngine
-from carpool.server.api_server import OpenAIServer, create_app
+from carpool.server.app import create_app
+from carpool.server.options import ServerOptions
+from carpool.server.serving import ServingContext
 
 MODEL_NAME = "smol"
 ENGINE_KWARGS = dict(dtype="float32", num_threads=2, kv_cache_memory=128 << 20, seed=0)
@@ -26,7 +28,7 @@ ENGINE_KWARGS = dict(dtype="float32", num_threads=2, kv_cache_memory=128 << 20, 
 class Served:
     url: str
     engine: LLMEngine
-    server: OpenAIServer
+    server: ServingContext
     uvicorn: uvicorn.Server
     thread: threading.Thread
 
@@ -48,8 +50,8 @@ class Served:
 
 
 def start_server(engine: LLMEngine, **app_kwargs) -> Served:
-    app_kwargs.setdefault("served_model_name", MODEL_NAME)
-    app = create_app(engine, **app_kwargs)
+    app_kwargs.setdefault("served_model_name", [MODEL_NAME])
+    app = create_app(engine, ServerOptions(**app_kwargs))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -64,7 +66,7 @@ def start_server(engine: LLMEngine, **app_kwargs) -> Served:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return Served(f"http://127.0.0.1:{port}", engine, app.state.server, server, thread)
+    return Served(f"http://127.0.0.1:{port}", engine, app.state.ctx, server, thread)
 
 
 def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> bool:

@@ -1,0 +1,229 @@
+"""The ASGI app: routes, the guards in front of them, error bodies, and the engine's lifespan.
+
+Guards, outermost first: the API key (401), then `RequestGuard`: a POST must say
+`Content-Type: application/json` (415; a cross-site HTML form cannot send that without a CORS
+preflight) and its body must fit `max_request_body_bytes` (413, counted while it arrives, before
+anything parses it). Errors never carry exception text or local paths: a 500 says where to look
+(the server log, under an error id) and the log has the details.
+
+The request bodies are parsed by carpool's own models (protocol.py) so that errors come back in
+OpenAI's shape; the OpenAPI schema at /openapi.json publishes those same models, so a schema
+fuzzer (tests/server/test_server_fuzz.py) generates what the server really accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from carpool.engine import LLMEngine
+from carpool.server import chat, completions
+from carpool.server.options import ServerOptions
+from carpool.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, error_body, parse_request)
+from carpool.server.serving import ClientDisconnected, ServingContext
+
+log = logging.getLogger("carpool.server")
+
+BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+async def _send_error(scope, receive, send, status: int, message: str,
+                      headers: dict[str, str] | None = None) -> None:
+    await JSONResponse(error_body(message, status), status_code=status, headers=headers)(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (streams and disconnects pass straight through): Bearer key on API routes."""
+
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.PROTECTED):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                await _send_error(scope, receive, send, 401,
+                                  "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                  {"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestGuard:
+    """POST bodies: JSON only (415), and at most `max_body` bytes (413). The body is read here,
+    chunk by chunk, and replayed to the app; later `receive` calls (disconnect detection) go
+    straight to the server."""
+
+    def __init__(self, app, max_body: int):
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if media_type != b"application/json":
+            await _send_error(scope, receive, send, 415, "Content-Type must be application/json")
+            return
+        too_large = f"the request body is larger than {self.max_body} bytes"
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_body:
+            await _send_error(scope, receive, send, 413, too_large)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await _send_error(scope, receive, send, 413, too_large)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus carpool's request models, referenced from each POST route."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in BODY_MODELS.values()],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _body(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
+               engine_thread: bool = True) -> FastAPI:
+    """The ASGI app over `engine`. With `engine_thread` its lifespan runs the engine loop on a
+    background thread (embedding, tests); without it, the caller runs
+    `app.state.ctx.async_engine.run()` itself, on the main thread (launch.py). Either way the
+    lifespan's end stops the loop; with a thread it also stops the engine's workers."""
+    options = options or ServerOptions()
+    ctx = ServingContext(engine, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine_thread:
+            ctx.async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(ctx.async_engine.stop)
+            ctx.close()
+            if engine_thread:
+                await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="carpool", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app)
+    app.state.ctx = ctx
+    app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("unhandled error %s in %s", error_id, request.url.path)
+        return JSONResponse(error_body(f"internal server error; see the server log (error id {error_id})", 500),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if ctx.async_engine.healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body(ctx.async_engine.dead_message(), 503), status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": ctx.created, "owned_by": "carpool", "root": name,
+             "parent": None, "max_model_len": ctx.max_model_len} for name in ctx.served_model_names]}
+
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    async def create_completion(raw: Request):
+        return await completions.create_completion(ctx, raw)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    async def create_chat_completion(raw: Request):
+        return await chat.create_chat_completion(ctx, raw)
+
+    def _tokenize(body: bytes) -> dict:
+        req: TokenizeRequest = parse_request(TokenizeRequest, body)
+        ctx.check_model(req.model)
+        if req.messages is not None:
+            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
+        else:
+            ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    def _detokenize(body: bytes) -> dict:
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, body)
+        ctx.check_model(req.model)
+        ctx.check_token_ids(req.tokens, "tokens")
+        return {"prompt": ctx.tokenizer.decode(req.tokens)}
+
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
+    async def tokenize(raw: Request):
+        return await ctx.off_loop(_tokenize, await raw.body())
+
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
+    async def detokenize(raw: Request):
+        return await ctx.off_loop(_detokenize, await raw.body())
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

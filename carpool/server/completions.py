@@ -1,0 +1,103 @@
+"""POST /v1/completions: prompts (strings or token ids) x n choices, with echo and logprobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from carpool.server.async_engine import Delta
+from carpool.server.protocol import APIError, CompletionRequest, parse_request
+from carpool.server.serving import Prepared, ServingContext, finite, usage
+
+DEFAULT_MAX_TOKENS = 16  # as in OpenAI's legacy completions API
+
+
+def prepare(ctx: ServingContext, body: bytes) -> Prepared:
+    """On the prepare thread: parse, tokenize, check, build one SamplingParams per choice."""
+    req: CompletionRequest = parse_request(CompletionRequest, body)
+    ctx.check_model(req.model)
+    raw_prompts = req.prompts()
+    ctx.check_num_choices(len(raw_prompts), req.n)
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    prompts = []
+    for p in raw_prompts:
+        if isinstance(p, str):
+            ids = ctx.encode(p)
+        else:
+            ctx.check_token_ids(p, "prompt")
+            ids = p
+        if not ids:
+            raise APIError("prompt: the prompt has no tokens", param="prompt")
+        ctx.check_length(len(ids), max_tokens, "prompt")
+        prompts.append((p if isinstance(p, str) else None, ids))
+    entries = [(ids, ctx.sampling_params(req, max_tokens, j, req.logprobs))
+               for _, ids in prompts for j in range(req.n)]
+    return Prepared(req, prompts, entries, request_id=f"cmpl-{uuid.uuid4().hex}")
+
+
+def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, float] | None],
+                  text_offset: int) -> dict[str, list]:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, d in zip(token_ids, entries):
+        s = ctx.token_str(t)
+        out["tokens"].append(s)
+        out["text_offset"].append(text_offset)
+        text_offset += len(s)
+        if d is None:  # prompt tokens under echo: the engine computes no prompt logprobs
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(finite(d[t]))
+            out["top_logprobs"].append({ctx.token_str(k): finite(v) for k, v in d.items()})
+    return out
+
+
+async def create_completion(ctx: ServingContext, raw: Request) -> Response:
+    arrival = time.monotonic()
+    p = await ctx.off_loop(prepare, ctx, await raw.body())
+    req = p.req
+    group = await ctx.submit(p, arrival, "prompt")
+    base = {"id": p.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+    want_lp = req.logprobs is not None
+
+    def echoed(choice: int, text: str, ids: list[int], lps: list) -> tuple[str, list[int], list]:
+        """Prefix the prompt (text, ids, no logprobs) when echo is on."""
+        ptext, pids = p.prompt_of(choice)
+        ptext = ptext if ptext is not None else ctx.tokenizer.decode(pids)
+        return ptext + text, pids + ids, [None] * len(pids) + lps
+
+    if req.stream:
+        started, offsets = [False] * len(group), [0] * len(group)
+        extra = {"usage": None} if req.stream_options and req.stream_options.include_usage else {}
+
+        def chunk(i: int, d: Delta) -> dict | None:
+            text, ids, lps = d.text, d.token_ids, d.logprobs
+            if req.echo and not started[i]:
+                text, ids, lps = echoed(i, text, ids, lps)
+            started[i] = True
+            if not text and not d.finished and not (want_lp and ids):
+                return None
+            logprobs = logprobs_body(ctx, ids, lps, offsets[i]) if want_lp else None
+            offsets[i] += len(text)
+            choice = {"index": i, "text": text, "logprobs": logprobs,
+                      "finish_reason": d.finish_reason if d.finished else None,
+                      "stop_reason": d.stop_reason if d.finished else None}
+            return dict(base, choices=[choice], **extra)
+
+        usage_chunk = (lambda n: dict(base, choices=[], usage=usage(p.prompt_tokens, n))) if extra else None
+        return ctx.stream(group, p.request_id, [], chunk, usage_chunk)
+
+    finals = await ctx.collect(group, raw, p.request_id)
+    choices = []
+    for i, c in enumerate(finals):
+        text, ids, lps = c.text, c.token_ids, c.logprobs
+        if req.echo:
+            text, ids, lps = echoed(i, text, ids, lps)
+        choices.append({"index": i, "text": text,
+                        "logprobs": logprobs_body(ctx, ids, lps, 0) if want_lp else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return JSONResponse(dict(base, choices=choices,
+                             usage=usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals))))

@@ -1,0 +1,71 @@
+"""How the HTTP server is set up: a plain dataclass, and the `carpool serve` flags that fill it
+(named as in `vllm serve`). Kept free of FastAPI so that `carpool --help` stays light."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from carpool.server.protocol import MAX_N
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: list[str] | None = None
+    max_waiting_requests: int | None = None
+    # Engine requests (prompts x n) one HTTP request may create.
+    max_choices_per_request: int = MAX_N
+    # Bodies past this get 413 before they are parsed (a 128k-token prompt is ~0.6 MB of JSON).
+    max_request_body_bytes: int = 2 << 20
+    shutdown_timeout: float = 30.0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_choices_per_request < 1:
+            raise ValueError("max_choices_per_request must be >= 1")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be >= 1024")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+
+    def model_names(self, model_path: str) -> list[str]:
+        """Names clients may ask for: --served-model-name, else the model's file or folder name
+        (never a local path: responses must not reveal the server's file system)."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        return [Path(model_path).name.removesuffix(".gguf")]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerOptions()
+    g = p.add_argument_group("server (named as in vllm serve)")
+    g.add_argument("--host", default=d.host, help=f"bind address (default: {d.host})")
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(default: $CARPOOL_API_KEY, else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients may ask for; the first is reported "
+                        "(default: the model's file or folder name)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 + Retry-After instead of queueing past this many waiting requests")
+    g.add_argument("--max-choices-per-request", type=int, default=d.max_choices_per_request,
+                   help=f"most engine requests (prompts x n) one HTTP request may ask for "
+                        f"(default: {d.max_choices_per_request})")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help=f"larger request bodies get 413 (default: {d.max_request_body_bytes})")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -1,0 +1,297 @@
+"""What every generating endpoint shares: preparing a request off the event loop, submitting it
+to the engine, and answering it -- streamed as server-sent events or collected into one body.
+
+The endpoints (completions.py, chat.py) only say how their request becomes prompts and sampling
+parameters, and how one choice's progress becomes a chunk or a final choice. Everything about
+errors, usage, aborts and `[DONE]` lives here once.
+
+Parsing, chat templates and tokenisation run on one worker thread, never on the event loop: a
+large body or a slow template must not hold up /health or other clients' streams. One thread,
+because the tokenizer is one object and a tokenizer's settings are not safe to share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from carpool.engine import LLMEngine
+from carpool.sampling_params import SamplingParams
+from carpool.server.async_engine import (AsyncLLMEngine, Delta, EngineDeadError, EngineOverloadedError,
+                                         RequestFailedError, RequestGroup, RequestRejectedError)
+from carpool.server.metrics import ServerMetrics
+from carpool.server.options import ServerOptions
+from carpool.server.protocol import APIError, error_body
+
+log = logging.getLogger("carpool.server")
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.5
+ENGINE_FAILED = "the engine failed while generating this request; see the server log (request id {})"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine: its prompts (the text where one was given,
+    and the ids) and one (prompt ids, params) entry per choice, prompt-major."""
+
+    req: Any  # the parsed request model
+    prompts: list[tuple[str | None, list[int]]]
+    entries: list[tuple[list[int], SamplingParams]]
+    request_id: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+    def prompt_of(self, choice: int) -> tuple[str | None, list[int]]:
+        return self.prompts[choice // self.req.n]
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from its deltas (for a non-streaming answer)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+class AbortOnCloseStreamingResponse(StreamingResponse):
+    """A streaming response that always runs `on_close` when it ends, however it ends:
+    finished, client disconnected (Starlette cancels the stream), or server shutdown."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class ServingContext:
+    """The engine, tokenizer and limits every endpoint needs, and the shared request path."""
+
+    def __init__(self, engine: LLMEngine, options: ServerOptions):
+        self.engine = engine
+        self.options = options
+        self.served_model_names = options.model_names(engine.config.model)
+        self.model_name = self.served_model_names[0]
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own
+        # copy, so that the two threads never share one tokenizer object.
+        try:
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # pragma: no cover - tokenizers that cannot be copied
+            self.tokenizer = engine.tokenizer
+        self.metrics = ServerMetrics(self.model_name, self.max_model_len)
+        self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
+        self.created = int(time.time())
+        self.token_str = lru_cache(maxsize=65536)(self._token_str)
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
+
+    def close(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable, *args) -> Any:
+        """Run CPU work (parsing, templates, tokenisation) on the prepare thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+
+    # ------------------------------------------------------------ validation (prepare thread)
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(f"The model `{name}` does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.served_model_names)}",
+                           param="model", code="model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        limit = self.options.max_choices_per_request
+        if num_prompts * n > limit:
+            raise APIError(f"n: {num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; this server "
+                           f"allows at most {limit} per request (--max-choices-per-request)", param="n")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool) -> list[int]:
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
+        except Exception as exc:  # the template itself may reject a conversation
+            log.info("chat template rejected a conversation: %s", exc)
+            raise APIError("messages: the model's chat template rejected this conversation "
+                           "(check the order of roles)", param="messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, your {param} has "
+                           f"{num_prompt} tokens, which leaves no room for a completion.",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} for "
+                           f"the completion). Reduce the length of the {param} or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    def sampling_params(self, req, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+        if req.min_tokens > max_tokens:
+            raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        seed = None
+        if req.seed is not None:  # choice j draws with seed + j, wrapped into the 64-bit range
+            seed = (req.seed + choice + 2**63) % 2**64 - 2**63
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=seed,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+                stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [],
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                output_kind="delta",
+            )
+        except ValueError as exc:
+            raise APIError(str(exc), param=_field_of(str(exc))) from None
+
+    # ------------------------------------------------------------ submitting (event loop)
+    async def submit(self, prepared: Prepared, arrival: float, param: str) -> RequestGroup:
+        try:
+            return await self.async_engine.add_requests(prepared.entries, arrival_time=arrival,
+                                                        prefix=prepared.request_id)
+        except EngineOverloadedError as exc:
+            raise APIError(str(exc), 503, code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, code="engine_dead") from None
+        except RequestRejectedError as exc:
+            raise APIError(f"{param}: {exc}", param=_field_of(str(exc)) or param) from None
+        except RequestFailedError as exc:
+            raise APIError(str(exc), 500, code="internal_error") from None
+
+    async def collect(self, group: RequestGroup, raw: Request, request_id: str) -> list[Choice]:
+        """Wait for every choice of the group to finish; abort them if the client leaves."""
+        choices = [Choice() for _ in range(len(group))]
+
+        async def drain():
+            async for index, delta in group:
+                if delta.error:
+                    raise APIError(ENGINE_FAILED.format(request_id), 500, code="engine_error")
+                choices[index].add(delta)
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    task.result()  # re-raises
+                    return choices
+                if await raw.is_disconnected():
+                    raise ClientDisconnected()
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 500, code="engine_dead") from None
+        finally:
+            if not task.done():
+                task.cancel()
+            group.abort()
+
+    def stream(self, group: RequestGroup, request_id: str, first: list[dict],
+               chunk: Callable[[int, Delta], dict | None],
+               usage_chunk: Callable[[int], dict] | None) -> Response:
+        """Server-sent events: the `first` chunks, then `chunk(index, delta)` for every delta
+        (None: nothing to send yet), then `usage_chunk(completion tokens)` if given
+        (include_usage), then `[DONE]`. An engine failure becomes an error event; the group
+        is aborted whenever the stream ends, however it ends."""
+
+        async def events() -> AsyncIterator[str]:
+            completion_tokens = 0
+            try:
+                for obj in first:
+                    yield sse(obj)
+                async for index, delta in group:
+                    if delta.error:
+                        yield sse(error_body(ENGINE_FAILED.format(request_id), 500, code="engine_error"))
+                        break
+                    completion_tokens += len(delta.token_ids)
+                    obj = chunk(index, delta)
+                    if obj is not None:
+                        yield sse(obj)
+                else:
+                    if usage_chunk is not None:
+                        yield sse(usage_chunk(completion_tokens))
+            except EngineDeadError as exc:
+                yield sse(error_body(str(exc), 500, code="engine_dead"))
+            yield "data: [DONE]\n\n"
+
+        return AbortOnCloseStreamingResponse(events(), on_close=group.abort, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _field_of(message: str) -> str | None:
+    """SamplingParams and the engine name the field first: 'stop_token_ids must ...'."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").isalpha() and head.islower() else None
