@@ -139,6 +139,12 @@ def cmd_bench_pipeline(args) -> int:
     return 0
 
 
+def cmd_bench_soak(args) -> int:
+    from carpool.bench.soak import run_soak
+
+    return 0 if run_soak(args).passed else 1
+
+
 def cmd_bench_hybrid(args) -> int:
     from carpool.bench.hybrid import run_hybrid_bench
 
@@ -272,6 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     add_engine_args(h)
     h.set_defaults(func=cmd_bench_hybrid)
+
+    k = bench.add_parser("soak", help="minutes of mixed valid, malformed, disconnecting, slow and bursty clients "
+                                      "against a `carpool serve` process: no 5xx, nothing leaked, outputs intact")
+    k.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    k.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    k.add_argument("--max-waiting-requests", type=int, default=8, help="the server's limit (bursts exceed it)")
+    k.add_argument("--model", default=None)
+    k.add_argument("--dtype", default="float32", help="float32 (default) keeps greedy outputs batch-invariant")
+    k.add_argument("--max-num-batched-tokens", type=int, default=256)
+    k.add_argument("--kv-cache-memory", default=None)
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--output", default="bench_results/soak")
+    k.set_defaults(func=cmd_bench_soak)
 
     from carpool.bench import options as bo
 

@@ -100,10 +100,16 @@ class ServerMetrics:
                           ["model_name", "finished_reason"], registry=r)
         self.request_success = {reason: success.labels(name, reason) for reason in self.FINISH_REASONS}
 
+        # As vLLM's cache_config_info: the KV cache's size, so that usage converts to blocks.
+        self.cache_config_info = Gauge(PREFIX + "cache_config_info", "KV cache configuration (labels).",
+                                       ["num_gpu_blocks", "block_size"], registry=r)
         self._durations: deque[float] = deque(maxlen=STALL_WINDOW)
         self._seen_preemptions: int | None = None
 
     # ------------------------------------------------------------ engine thread
+    def set_cache_config(self, num_blocks: int, block_size: int) -> None:
+        self.cache_config_info.labels(str(num_blocks), str(block_size)).set(1)
+
     def update_gauges(self, engine) -> None:
         sched = engine.scheduler
         self.num_requests_running.set(len(sched.running))

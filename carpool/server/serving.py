@@ -126,6 +126,7 @@ class ServingContext:
         except Exception:  # pragma: no cover - tokenizers that cannot be copied
             self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(self.model_name, self.max_model_len)
+        self.metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
         self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
         self.created = int(time.time())
         self.token_str = lru_cache(maxsize=65536)(self._token_str)

@@ -1,0 +1,81 @@
+"""Schema fuzzing: schemathesis generates requests from the server's own OpenAPI schema (valid
+ones, then invalid ones in its negative mode); none may get a 5xx, and afterwards the engine
+holds nothing: 0 running, 0 waiting, 0% of the KV cache in use. The default suite runs a
+bounded number of examples per operation; the slow suite many more.
+
+(schemathesis' pytest plugin does not run under pytest 9, so its Hypothesis strategies are
+driven directly.)"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+MAX_MODEL_LEN = 48  # bounds the work of any generated request: at most 4 choices x 48 tokens
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(server_factory):
+    return server_factory({"max_model_len": MAX_MODEL_LEN}, max_choices_per_request=4)
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_dict(httpx.get(fuzz_server.url + "/openapi.json").json())
+
+
+def operations(api_schema) -> list:
+    return [result.ok() for result in api_schema.get_all_operations()]
+
+
+def fuzz(api_schema, server, max_examples: int) -> int:
+    """Every operation, valid bodies and then invalid ones; returns the number of calls."""
+    calls = 0
+    for operation in operations(api_schema):
+        has_body = operation.method.upper() == "POST"  # nothing can be invalid about a bare GET
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
+            @settings(max_examples=max_examples, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case):
+                nonlocal calls
+                calls += 1
+                response = case.call(base_url=server.url, timeout=120)
+                assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
+                                                    response.text)
+
+            run()
+    return calls
+
+
+def test_schema_describes_the_request_bodies(api_schema):
+    """The schema is precise enough to mean something: the request models, with their limits."""
+    raw = api_schema.raw_schema
+    body = raw["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    completion = raw["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert "prompt" in completion["required"]
+    temperature = next(s for s in completion["properties"]["temperature"]["anyOf"] if s.get("type") == "number")
+    assert temperature["maximum"] == 100.0
+    assert {f"{o.method.upper()} {o.path}" for o in operations(api_schema)} >= {
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+        "GET /v1/models", "GET /health"}
+
+
+def test_no_server_error_for_any_generated_request(api_schema, fuzz_server):
+    assert fuzz(api_schema, fuzz_server, max_examples=10) > 50
+
+
+@pytest.mark.slow
+def test_no_server_error_long(api_schema, fuzz_server):
+    assert fuzz(api_schema, fuzz_server, max_examples=250) > 1000
+
+
+def test_after_fuzzing_nothing_is_held(fuzz_server):
+    assert fuzz_server.wait_idle(timeout=30)
+    assert fuzz_server.metric("carpool:num_requests_running") == 0
+    assert fuzz_server.metric("carpool:num_requests_waiting") == 0
+    assert fuzz_server.metric("carpool:kv_cache_usage_perc") == 0
+    assert httpx.get(fuzz_server.url + "/health").status_code == 200
