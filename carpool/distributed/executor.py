@@ -30,10 +30,11 @@ import torch
 
 from carpool.config import EngineConfig
 from carpool.core.scheduler import ScheduledBatch
-from carpool.distributed.comm import Comm, Rendezvous
+from carpool.distributed.comm import Comm, Rendezvous, loopback_store
 from carpool.distributed.layout import ParallelLayout
-from carpool.distributed.worker import (InitKVCache, RunPlan, SendTimings, Shutdown, Worker, local_device,
-                                        threads_per_process, worker_main)
+from carpool.distributed.messages import (InitKVCache, LoadModel, RunPlan, SendTimings, Shutdown, Timings,
+                                          WorkerReady)
+from carpool.distributed.worker import Worker, local_device, threads_per_process, worker_main
 from carpool.model.loader import is_gguf, load_model, open_gguf
 from carpool.model_runner import ModelRunner, StepPlan, kv_bytes_per_token
 
@@ -101,6 +102,7 @@ class WorkerGroup:
     def __init__(self, layout: ParallelLayout):
         self.layout = layout
         self.processes: dict[int, mp.process.BaseProcess] = {}
+        self.store = None  # the loopback rendezvous store of spawned workers (None under torchrun)
         self.comm: Comm | None = None
         self.failure: str | None = None
         self.closed = False
@@ -154,7 +156,7 @@ class WorkerGroup:
             os.write(self._wake_fds[1], b"x")
         if self.comm is not None and self.failure is None:
             try:
-                self.comm.send_object(Shutdown(), self.workers)
+                self.comm.send_message(Shutdown(), self.workers)
                 self.comm.wait_sent(5.0)
             except Exception:
                 pass
@@ -169,6 +171,7 @@ class WorkerGroup:
                 self.comm.close()
             except Exception:
                 log.debug("leaving the process group failed", exc_info=True)
+        self.store = None  # closes its listening socket
 
 
 class MultiprocExecutor:
@@ -195,7 +198,7 @@ class MultiprocExecutor:
             self.device = local_device(config, local_rank)
             torch.set_num_threads(threads_per_process(config, self.num_local_processes))
             self.comm = group.comm = Comm(layout, 0, self.device, rendezvous, timeout, store=store)
-            self.comm.send_object(dtype, self.workers)
+            self.comm.send_message(LoadModel(dtype), self.workers)
             self.gguf_reader = open_gguf(config.model) if is_gguf(config.model) else None
             self.worker = Worker(config, layout, 0, self.comm, self.device, dtype, self.gguf_reader)
             self._wait_for_workers_loaded()
@@ -231,11 +234,9 @@ class MultiprocExecutor:
         return Rendezvous(), None, int(os.environ.get("LOCAL_RANK", 0))
 
     def _spawn_workers(self, timeout: datetime.timedelta):
-        import torch.distributed as dist
-
         world = self.layout.world_size
         self.num_local_processes = world
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = self.group.store = loopback_store(world, timeout)
         rendezvous = Rendezvous("127.0.0.1", store.port)
         ctx = mp.get_context("spawn")  # fork is unsafe once torch has started its thread pools
         for rank in self.workers:
@@ -259,7 +260,7 @@ class MultiprocExecutor:
     def _wait_for_workers_loaded(self) -> None:
         errors = []
         for rank in self.workers:
-            status = self.comm.recv_object(rank)
+            status = self.comm.recv_message(rank, (WorkerReady,)).error
             if status is not None:
                 errors.append(f"{self.layout.describe(rank)}: {status}")
         if errors:
@@ -274,7 +275,7 @@ class MultiprocExecutor:
     # ------------------------------------------------------------ running micro-batches
     def init_kv_cache(self, num_blocks: int) -> None:
         try:
-            self.comm.send_object(InitKVCache(num_blocks), self.workers)
+            self.comm.send_message(InitKVCache(num_blocks), self.workers)
             self.worker.init_kv_cache(num_blocks)
         except Exception as exc:
             raise self._fatal(exc) from exc
@@ -292,7 +293,7 @@ class MultiprocExecutor:
         self.micro_batches.append(MicroBatchRecord(mb, time.monotonic(), not self._queue,
                                                    [r.request_id for r in batch.requests], plan.num_tokens))
         try:
-            self.comm.send_object(RunPlan(mb, plan), self.workers)
+            self.comm.send_message(RunPlan(mb, plan), self.workers)
         except Exception as exc:
             raise self._fatal(exc) from exc
         self._queue.append((mb, plan))
@@ -310,10 +311,10 @@ class MultiprocExecutor:
         if self._queue:
             raise RuntimeError("stage_timings needs an idle pipeline (micro-batches are in flight)")
         try:
-            self.comm.send_object(SendTimings(reset), self.workers)
+            self.comm.send_message(SendTimings(reset), self.workers)
             per_rank = {0: [(t.micro_batch, t.start, t.end) for t in self.worker.timings]}
             for rank in self.workers:
-                per_rank[rank] = self.comm.recv_object(rank)
+                per_rank[rank] = self.comm.recv_message(rank, (Timings,)).records
         except Exception as exc:
             raise self._fatal(exc) from exc
         result = {

@@ -24,6 +24,8 @@ import torch
 from carpool.config import EngineConfig, keep_freed_memory_in_process
 from carpool.distributed.comm import Comm, Rendezvous
 from carpool.distributed.layout import ParallelLayout
+from carpool.distributed.messages import (InitKVCache, LoadModel, RunPlan, SendTimings, Shutdown, Timings,
+                                          WorkerReady)
 from carpool.model.llama import TensorParallel
 from carpool.model.loader import is_gguf, load_model, load_model_config, open_gguf
 from carpool.model_runner import ModelRunner, StepPlan
@@ -33,26 +35,7 @@ log = logging.getLogger("carpool.worker")
 DRIVER = 0
 
 
-# ------------------------------------------------------------ driver -> worker messages
-@dataclass
-class InitKVCache:
-    num_blocks: int
-
-
-@dataclass
-class RunPlan:
-    micro_batch: int
-    plan: StepPlan
-
-
-@dataclass
-class SendTimings:
-    reset: bool = False
-
-
-@dataclass
-class Shutdown:
-    pass
+SERVED = (InitKVCache, RunPlan, SendTimings, Shutdown)  # what `serve` acts on (LoadModel comes first, alone)
 
 
 @dataclass
@@ -103,13 +86,13 @@ class Worker:
     def serve(self) -> None:
         """The loop of a rank other than the driver: act on its messages, in order, until Shutdown."""
         while True:
-            msg = self.comm.recv_object(DRIVER)
+            msg = self.comm.recv_message(DRIVER, SERVED)
             if isinstance(msg, RunPlan):
                 self.run(msg.micro_batch, msg.plan)
             elif isinstance(msg, InitKVCache):
                 self.init_kv_cache(msg.num_blocks)
             elif isinstance(msg, SendTimings):
-                self.comm.send_object([(t.micro_batch, t.start, t.end) for t in self.timings], [DRIVER])
+                self.comm.send_message(Timings([(t.micro_batch, t.start, t.end) for t in self.timings]), [DRIVER])
                 if msg.reset:
                     self.timings.clear()
             elif isinstance(msg, Shutdown):
@@ -152,7 +135,7 @@ def worker_main(config: EngineConfig, layout: ParallelLayout, rank: int, rendezv
     else:
         store = None
     comm = Comm(layout, rank, device, rendezvous, timeout, store=store)
-    dtype = comm.recv_object(DRIVER)  # resolved once by the driver ('auto' could differ between hosts)
+    dtype = comm.recv_message(DRIVER, (LoadModel,)).dtype  # resolved by the driver: 'auto' may differ by host
     try:
         reader = open_gguf(config.model) if is_gguf(config.model) else None
         worker = Worker(config, layout, rank, comm, device, dtype, reader)
@@ -160,7 +143,7 @@ def worker_main(config: EngineConfig, layout: ParallelLayout, rank: int, rendezv
     except Exception as exc:  # reported to the driver, which fails the engine start with it
         log.exception("loading the model failed")
         status = f"{type(exc).__name__}: {exc}"
-    comm.send_object(status, [DRIVER])
+    comm.send_message(WorkerReady(status), [DRIVER])
     if status is not None:
         comm.wait_sent(30.0)  # deliver the error before exiting
         os._exit(1)

@@ -43,7 +43,8 @@ class EngineCache:
 
     def get(self, **kwargs) -> LLMEngine:
         key = tuple(sorted(kwargs.items()))
-        if key != self.key or self.engine._dead is not None:
+        # A test server's lifespan shuts its engine down on stop: start a fresh one then too.
+        if key != self.key or self.engine._dead is not None or self.engine.executor.group.closed:
             self.close()
             kwargs.setdefault("num_threads", 1)
             self.engine = LLMEngine(**kwargs)
