@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import uuid
 from contextlib import asynccontextmanager
@@ -64,16 +65,17 @@ class ApiKeyMiddleware:
 
 
 class RequestGuard:
-    """POST bodies: JSON only (415), and at most `max_body` bytes (413). The body is read here,
+    """POST bodies of the API routes: JSON only (415), and at most `max_body` bytes (413). The body is read here,
     chunk by chunk, and replayed to the app; later `receive` calls (disconnect detection) go
     straight to the server."""
 
-    def __init__(self, app, max_body: int):
+    def __init__(self, app, max_body: int, paths: frozenset[str]):
         self.app = app
         self.max_body = max_body
+        self.paths = paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -154,7 +156,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
     app = FastAPI(title="carpool", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
     app.state.ctx = ctx
-    app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes)
+    app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes, paths=frozenset(BODY_MODELS))
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
 
@@ -183,6 +185,14 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
         if ctx.async_engine.healthy:
             return Response(status_code=200)
         return JSONResponse(error_body(ctx.async_engine.dead_message(), 503), status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("carpool")}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # SageMaker's and vLLM's liveness probe: /health's answer
+        return await health()
 
     @app.get("/v1/models")
     async def models():

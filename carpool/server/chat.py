@@ -16,6 +16,7 @@ from carpool.server.serving import Prepared, ServingContext, finite, usage
 def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     """On the prepare thread: parse, apply the chat template, check, build the choices."""
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
+    ctx.warn_unknown_fields(req)
     ctx.check_model(req.model)
     ctx.check_num_choices(1, req.n)
     ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)

@@ -36,7 +36,7 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
-PREFIX = "carpool:"
+NAMESPACES = ("carpool", "vllm")  # `--metrics-namespace vllm`: vLLM's own names, for its dashboards
 
 disable_created_metrics()  # no `*_created` series beside every counter (vLLM's output has none)
 
@@ -55,9 +55,13 @@ def buckets_1_2_5(maximum: int) -> list[int]:
 class ServerMetrics:
     FINISH_REASONS = ("stop", "length", "abort", "error")
 
-    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
+                 namespace: str = "carpool"):
+        if namespace not in NAMESPACES:
+            raise ValueError(f"metrics namespace must be one of {NAMESPACES}, not {namespace!r}")
         self.registry = registry or CollectorRegistry()
         r, L, name = self.registry, ["model_name"], model_name
+        PREFIX = namespace + ":"
 
         def gauge(n, doc):
             return Gauge(PREFIX + n, doc, L, registry=r).labels(name)

@@ -22,6 +22,7 @@ class ServerOptions:
     max_choices_per_request: int = MAX_N
     # Bodies past this get 413 before they are parsed (a 128k-token prompt is ~0.6 MB of JSON).
     max_request_body_bytes: int = 2 << 20
+    metrics_namespace: str = "carpool"  # or "vllm": the same metrics under vLLM's names
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
@@ -64,6 +65,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {d.max_choices_per_request})")
     g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                    help=f"larger request bodies get 413 (default: {d.max_request_body_bytes})")
+    g.add_argument("--metrics-namespace", choices=("carpool", "vllm"), default=d.metrics_namespace,
+                   help="prefix of the /metrics names: carpool:... (default) or vllm:..., so that dashboards "
+                        "and gateways that read vllm:num_requests_waiting work unchanged")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,

@@ -61,8 +61,24 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# Fields that vLLM or OpenAI define and that would change the output, but that carpool does not
+# implement: a request that sets one gets a 400 naming it, never text that ignored it. Fields
+# nobody here knows (vendor extras such as llama.cpp's `cache_prompt`) are ignored, as vLLM does,
+# and logged once by name.
+UNSUPPORTED_FIELDS = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids", "bad_words",
+    "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "length_penalty",
+    "logits_processors", "return_tokens_as_token_ids", "functions", "function_call", "tool_choice",
+    "prediction", "vllm_xargs",
+})
+HARMLESS_VALUES = (None, False, "none", "auto")  # e.g. tool_choice "none" changes nothing
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -89,8 +105,15 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     best_of: StrictInt | None = None
 
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
     @model_validator(mode="after")
     def _check_common(self):
+        for name, value in sorted((self.model_extra or {}).items()):
+            if name in UNSUPPORTED_FIELDS and value not in HARMLESS_VALUES and value != [] and value != {}:
+                raise ValueError(f"{name}: not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.logit_bias:

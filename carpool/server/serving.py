@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from carpool.engine import LLMEngine
 from carpool.sampling_params import SamplingParams
@@ -125,12 +125,13 @@ class ServingContext:
             self.tokenizer = copy.deepcopy(engine.tokenizer)
         except Exception:  # pragma: no cover - tokenizers that cannot be copied
             self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics(self.model_name, self.max_model_len)
+        self.metrics = ServerMetrics(self.model_name, self.max_model_len, namespace=options.metrics_namespace)
         self.metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
         self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
         self.created = int(time.time())
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
+        self._warned_fields: set[str] = set()
 
     def close(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
@@ -142,6 +143,13 @@ class ServingContext:
     # ------------------------------------------------------------ validation (prepare thread)
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def warn_unknown_fields(self, req) -> None:
+        """Fields nobody here knows are ignored (as vLLM does); say so once per field name."""
+        new = [f for f in req.unknown_fields if f not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            log.warning("ignoring unknown request field(s): %s", ", ".join(new))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
