@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard every layer over this many worker processes (Megatron-style)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layers into this many pipeline stages, one micro-batch in flight each")
+    g.add_argument("--quantization", "-q", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
+                        "its own 4/8 bits in bf16/fp16, anything else none)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -38,7 +41,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         scheduler=args.scheduler, num_threads=args.num_threads, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size)
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        quantization=args.quantization)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -149,6 +153,13 @@ def cmd_bench_hybrid(args) -> int:
     from carpool.bench.hybrid import run_hybrid_bench
 
     run_hybrid_bench(engine_config(args), args)
+    return 0
+
+
+def cmd_bench_quant(args) -> int:
+    from carpool.bench.quant import run_quant_bench
+
+    run_quant_bench(engine_config(args), args)
     return 0
 
 
@@ -293,6 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_bench_soak)
 
     from carpool.bench import options as bo
+
+    q = bench.add_parser("quant", help="int8/int4 weight-only kernels vs oneDNN bf16 per weight shape and "
+                                       "token count; single-stream decode per --quantization mode")
+    q.add_argument("--tokens", type=bo.int_list, default=[1, 2, 4, 16, 64, 256, 512])
+    q.add_argument("--rounds", type=bo.positive_int, default=3, help="best of this many passes per point")
+    q.add_argument("--modes", type=bo.str_list, default=["none", "int8", "int4"],
+                   help="--quantization modes whose single-stream decode is timed")
+    q.add_argument("--new-tokens", type=int, default=64, help="decode length per mode (0: skip)")
+    q.add_argument("--output", default="bench_results/quant")
+    add_engine_args(q)
+    q.set_defaults(func=cmd_bench_quant)
 
     def serving_like(name: str, help: str, output: str, workload: dict, func, qps_default) -> argparse.ArgumentParser:
         s = bench.add_parser(name, help=help)

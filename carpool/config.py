@@ -134,6 +134,9 @@ class EngineConfig:
     scheduler: str = "sarathi"
     num_threads: int | None = None  # torch threads (per worker process with TP/PP)
     seed: int = 0
+    # Weight-only quantized linears on CPU (model/quant.py): none, int8, int4, or auto (a GGUF's
+    # own 4/8-bit precision on CPU in bf16/fp16, else none; loader.resolve_quantization).
+    quantization: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # How the T x P worker processes meet: None spawns them on this host (loopback rendezvous);
@@ -162,6 +165,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose auto, none, int8 or int4")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
         if self.distributed_init_method is None:

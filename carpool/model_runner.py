@@ -12,6 +12,7 @@ from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
+from carpool.model.quant import choose_kernels
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ModelRunner:
         self.model = model
         if can_pack_linears(device, dtype):
             pack_linears_for_cpu(model)
+        choose_kernels(model)  # quantized linears: up to which token count their kernel wins
         self.block_size = block_size
         self.device = device
         attn = model.layers[0].self_attn

@@ -55,7 +55,8 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
         self.gguf_reader = open_gguf(config.model) if is_gguf(config.model) else None
-        self.model = load_model(config.model, dtype, device, gguf_reader=self.gguf_reader)
+        self.model = load_model(config.model, dtype, device, gguf_reader=self.gguf_reader,
+                                quantization=config.quantization)
         self.model_config = self.model.config
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
         self.runner: ModelRunner | None = None

@@ -56,7 +56,8 @@ class Worker:
         model_config = load_model_config(config.model, gguf_reader)
         first, last = layout.layer_ranges(model_config.num_layers)[self.stage]
         tp = TensorParallel(self.tp_rank, layout.tensor_parallel_size, comm.tp_group)
-        self.model = load_model(config.model, dtype, device, first, last, tp, gguf_reader)
+        self.model = load_model(config.model, dtype, device, first, last, tp, gguf_reader,
+                                config.quantization)
         self.prev_rank = layout.rank(self.stage - 1, self.tp_rank) if self.stage > 0 else None
         self.next_rank = (layout.rank(self.stage + 1, self.tp_rank)
                           if self.stage < layout.pipeline_parallel_size - 1 else None)

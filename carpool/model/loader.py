@@ -15,6 +15,7 @@ import torch
 
 from carpool.config import ModelConfig
 from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
+from carpool.model.quant import check_quantization, quantize_linears
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -272,20 +273,51 @@ def stage_wants(model: LlamaModel) -> Callable[[str], bool]:
     return wanted
 
 
+# The mode that keeps a GGUF's layer weights at their own precision: Q4_1 codes survive int4's
+# requantization exactly (same 32-wide groups, min/max scale); Q4_0 nearly (a block's min need not
+# sit on its grid's end); Q8_0 loses little to int8 per channel.
+_GGUF_QUANTIZATION = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype, gguf_reader=None) -> str:
+    """'auto' -> int4 / int8 for a GGUF whose layer weights are all Q4_0/Q4_1 / (some) Q8_0, run
+    on CPU in a 16-bit dtype (faster at decode and, for Q4_x, closer to the checkpoint than bf16;
+    see BENCHMARKS.md); 'none' for other checkpoints, other devices, and float32, which stays the
+    reference arithmetic. Other modes pass through."""
+    if mode != "auto":
+        return mode
+    if gguf_reader is None or device.type != "cpu" or dtype == torch.float32:
+        return "none"
+    from gguf import GGMLQuantizationType
+
+    modes = {_GGUF_QUANTIZATION.get(GGMLQuantizationType(t.tensor_type).name)
+             for t in gguf_reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    if not modes or None in modes:
+        return "none"
+    return "int8" if "int8" in modes else "int4"
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
                last_layer: int | None = None, tp: TensorParallel | None = None,
-               gguf_reader=None) -> LlamaModel:
+               gguf_reader=None, quantization: str = "none") -> LlamaModel:
+    """quantization: 'int8' / 'int4' swap the linear layers (LM head included, not the embedding)
+    for weight-only quantized ones, quantized from the fp32 weights after sharding; 'auto': see
+    resolve_quantization. The mode in use is left in `model.quantization`."""
     if is_gguf(path):
         reader = gguf_reader or open_gguf(path)
         config = gguf_model_config(reader)
     else:
-        config = hf_model_config(Path(path))
+        reader, config = None, hf_model_config(Path(path))
+    quantization = resolve_quantization(quantization, device, dtype, reader)
+    check_quantization(quantization, device)
     with torch.device("meta"):
         model = LlamaModel(config, first_layer, last_layer, tp)
     wanted = None if model.is_first and model.is_last else stage_wants(model)
     weights = gguf_weights(reader, config, wanted) if is_gguf(path) else hf_weights(Path(path), wanted)
     model.to_empty(device="cpu")
     load_weights(model, weights)
+    quantize_linears(model, quantization, dtype)
+    model.quantization = quantization
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.inv_freq = rope_inv_freq(config).to(device)  # RoPE frequencies stay fp32
     return model

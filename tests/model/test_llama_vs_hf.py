@@ -55,7 +55,7 @@ def test_prefill_logits_fp32_close_to_transformers(engine_fp32, hf_model, prompt
 def test_bf16_top1_agreement_with_fp32(model_path, engine_fp32, prompt_ids, hf_greedy):
     """Teacher-forced over prompt + reference continuation: the bf16 argmax at each position
     agrees with fp32's on at least 95% of positions."""
-    bf16 = LLMEngine(model=model_path, dtype="bfloat16", kv_cache_memory=64 << 20)
+    bf16 = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=64 << 20)
     agree = total = 0
     for ids, cont in zip(prompt_ids, hf_greedy):
         seq = ids + cont

@@ -1,0 +1,202 @@
+"""`carpool bench quant`: weight-only int8 / int4 kernels against oneDNN bf16 on this CPU.
+
+For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head) and token count,
+times torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` against bf16 `F.linear` and
+the oneDNN-packed `PackedLinear` the engine uses. Each shape has one weight per layer, called in
+turn, so weights come from memory as in a forward pass rather than from a hot cache; kernels are
+interleaved and the best of a few rounds is kept, so ratios hold on a busy host. Then one greedy
+stream decodes per `--quantization` mode through the whole engine (the engines take turns, best
+of the same rounds), with the per-shape crossovers each engine measured for itself (model/quant.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carpool.bench.hostload import OtherCpu
+from carpool.bench.hybrid import carpool_single_stream
+from carpool.config import EngineConfig, ModelConfig
+from carpool.model.llama import PackedLinear, can_pack_linears
+from carpool.model.quant import QuantizedLinear
+
+KERNELS = ("bf16 F.linear", "bf16 packed", "int8", "int4")
+
+
+def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """name -> (in, out, copies): the linears of one decoder layer, as fused in model/llama.py,
+    and the LM head (one copy)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    return {"qkv": (h, q + 2 * kv, n), "o": (q, h, n), "gate_up": (h, 2 * inter, n),
+            "down": (inter, h, n), "lm_head": (h, cfg.vocab_size, 1)}
+
+
+def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch.dtype,
+                  generator: torch.Generator) -> dict[str, list]:
+    """`copies` random weights of one shape, each prepared for every kernel."""
+    kernels: dict[str, list] = {k: [] for k in KERNELS}
+    for _ in range(copies):
+        linear = nn.Linear(in_features, out_features, bias=False)
+        linear.weight.data = torch.randn(out_features, in_features, generator=generator) * 0.02
+        for mode in ("int8", "int4"):
+            kernels[mode].append(QuantizedLinear(linear, mode, dtype).to(dtype).quantized)
+        dense = linear.to(dtype).requires_grad_(False)
+        kernels["bf16 F.linear"].append(dense)
+        if can_pack_linears(torch.device("cpu"), dtype):
+            kernels["bf16 packed"].append(PackedLinear(dense))
+    return {k: v for k, v in kernels.items() if v}
+
+
+def time_shape(kernels: dict[str, list], in_features: int, tokens: int, dtype: torch.dtype,
+               rounds: int) -> dict[str, float]:
+    """Seconds per call of each kernel at `tokens` rows: best of `rounds` passes over all copies."""
+    x = torch.randn(tokens, in_features, dtype=dtype)
+    best = {k: float("inf") for k in kernels}
+    for _ in range(rounds + 1):  # the first pass warms up
+        for name, fns in kernels.items():
+            t = time.perf_counter()
+            for fn in fns:
+                fn(x)
+            best[name] = min(best[name], (time.perf_counter() - t) / len(fns))
+    return best
+
+
+def kernel_table(cfg: ModelConfig, tokens: list[int], rounds: int, dtype: torch.dtype, log=print) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for name, (k, n, copies) in model_shapes(cfg).items():
+            kernels = layer_kernels(k, n, copies, dtype, gen)
+            for m in tokens:
+                t = time_shape(kernels, k, m, dtype, rounds)
+                rows.append({"shape": name, "in": k, "out": n, "tokens": m,
+                             **{f"{kk}_s": v for kk, v in t.items()}})
+                ref = t.get("bf16 packed", t["bf16 F.linear"])
+                log(f"{name:8s} {k:5d}x{n:<6d} M={m:4d}: " + "  ".join(
+                    f"{kk} {v * 1e6:8.1f} us ({ref / v:4.2f}x)" for kk, v in t.items()))
+            del kernels
+    return rows
+
+
+def decode_per_mode(config: EngineConfig, modes: list[str], new_tokens: int, rounds: int) -> dict[str, dict]:
+    """Single-stream greedy decode tokens/s per --quantization mode (same prompt, whole engine),
+    with the crossovers each engine chose. The engines take turns, best of `rounds` each."""
+    from carpool.engine import LLMEngine
+
+    engines = {}
+    for mode in modes:
+        config.quantization = mode
+        engines[mode] = LLMEngine(config)
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for mode, engine in engines.items():
+            result = carpool_single_stream(engine, new_tokens)
+            if mode not in best or result["decode_tokens_per_s"] > best[mode]["decode_tokens_per_s"]:
+                best[mode] = result
+    for mode, engine in engines.items():
+        model = engine.runner.model
+        best[mode]["mode_in_use"] = model.quantization
+        best[mode]["quantized_up_to_tokens"] = {
+            f"{name} {m.mode} {m.in_features}x{m.out_features}": m.max_quantized_tokens
+            for name, m in model.named_modules() if isinstance(m, QuantizedLinear)
+            and (name.startswith("layers.0.") or name == "lm_head")}
+        print(f"--quantization {mode}: {best[mode]['decode_tokens_per_s']:.1f} decode tokens/s; "
+              f"quantized kernel up to N tokens: {best[mode]['quantized_up_to_tokens']}")
+        engine.shutdown()
+    return best
+
+
+def run_quant_bench(config: EngineConfig, args) -> dict:
+    from carpool.config import resolve_device, resolve_dtype
+    from carpool.model.loader import is_gguf, load_model_config, open_gguf
+
+    from carpool.model.quant import QUANTIZATIONS
+
+    for mode in args.modes:
+        if mode not in QUANTIZATIONS:
+            raise ValueError(f"--modes: unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
+    device = resolve_device(config.device)
+    if device.type != "cpu":
+        raise ValueError("carpool bench quant measures CPU kernels; use --device cpu")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    dtype = resolve_dtype(config.dtype, device)
+    cfg = load_model_config(config.model, open_gguf(config.model) if is_gguf(config.model) else None)
+    cpu = OtherCpu()
+    start = time.perf_counter()
+    print(f"model {Path(config.model).name}; dtype {dtype}; threads {torch.get_num_threads()}")
+    rows = kernel_table(cfg, args.tokens, args.rounds, dtype)
+    config.kv_cache_memory = config.kv_cache_memory or 256 << 20
+    decode = decode_per_mode(config, args.modes, args.new_tokens, args.rounds) if args.new_tokens else {}
+    result = {"model": config.model, "dtype": str(dtype), "threads": torch.get_num_threads(),
+              "cpu": cpu_name(), "other_cpu_cores": cpu.sample(), "seconds": time.perf_counter() - start,
+              "kernels": rows, "single_stream": decode}
+    write_outputs(result, Path(args.output))
+    return result
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant.json").write_text(json.dumps(result, indent=2))
+    kernels = [k for k in KERNELS if f"{k}_s" in result["kernels"][0]]
+    ref = "bf16 packed" if "bf16 packed" in kernels else "bf16 F.linear"
+    lines = [f"CPU {result['cpu']}, {result['threads']} threads, {result['dtype']}; other processes used "
+             f"{result['other_cpu_cores']:.2f} cores on average during the run ({result['seconds']:.0f} s).", "",
+             "| shape | in x out | tokens | " + " | ".join(f"{k} us" for k in kernels)
+             + f" | int8 / int4 speed-up vs {ref} |",
+             "|---|---|---|" + "---|" * len(kernels) + "---|"]
+    for r in result["kernels"]:
+        lines.append(f"| {r['shape']} | {r['in']}x{r['out']} | {r['tokens']} | "
+                     + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels)
+                     + f" | {r[f'{ref}_s'] / r['int8_s']:.2f}x / {r[f'{ref}_s'] / r['int4_s']:.2f}x |")
+    if result["single_stream"]:
+        lines += ["", "| --quantization | decode tokens/s | quantized kernel up to N tokens (layer 0, LM head) |",
+                  "|---|---|---|"]
+        for mode, s in result["single_stream"].items():
+            chosen = ", ".join(f"{k.split(' ', 1)[0].removeprefix('layers.0.')}: {v}"
+                               for k, v in s["quantized_up_to_tokens"].items()) or "-"
+            lines.append(f"| {mode} ({s['mode_in_use']}) | {s['decode_tokens_per_s']:.1f} | {chosen} |")
+    (out / "quant.md").write_text("\n".join(lines) + "\n")
+    plot(result, kernels, out / "quant.png")
+    print("\n".join(lines))
+
+
+def plot(result: dict, kernels: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in result["kernels"]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in result["kernels"] if r["shape"] == shape]
+        for k in kernels:
+            ax.plot([r["tokens"] for r in rows], [r[f"{k}_s"] * 1e6 for r in rows], marker="o", ms=3, label=k)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} {rows[0]['in']}x{rows[0]['out']}", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("us per call")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"weight-only quantized vs bf16 linears ({result['cpu']}, {result['threads']} threads)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

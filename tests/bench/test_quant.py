@@ -1,0 +1,29 @@
+"""`carpool bench quant` end to end on a tiny random Llama: JSON, table and plot are written."""
+
+from __future__ import annotations
+
+import json
+
+from carpool.cli import main
+from tests.model.test_hf_folder import write_checkpoint
+
+
+def test_bench_quant_tiny(tmp_path, engine_fp32, capsys):
+    model = tmp_path / "tiny"
+    write_checkpoint(model, "llama", engine_fp32.tokenizer)
+    out = tmp_path / "out"
+    rc = main(["bench", "quant", "--model", str(model), "--dtype", "bfloat16", "--num-threads", "2",
+               "--kv-cache-memory", "16MiB", "--tokens", "1,3", "--rounds", "1", "--new-tokens", "4",
+               "--modes", "none,int4", "--output", str(out)])
+    assert rc == 0
+    result = json.loads((out / "quant.json").read_text())
+    assert {r["shape"] for r in result["kernels"]} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(r["int8_s"] > 0 and r["int4_s"] > 0 for r in result["kernels"])
+    assert set(result["single_stream"]) == {"none", "int4"}
+    assert result["single_stream"]["int4"]["quantized_up_to_tokens"]  # the engine's own choice
+    assert (out / "quant.png").stat().st_size > 0 and "| lm_head |" in (out / "quant.md").read_text()
+
+
+def test_bench_quant_rejects_unknown_mode(capsys):
+    assert main(["bench", "quant", "--modes", "int3"]) == 2
+    assert "int3" in capsys.readouterr().err

@@ -1,0 +1,150 @@
+"""Weight-only quantized linears (`--quantization int8|int4`): the kernels against the dequantized
+weights, GGUF Q4_1 codes kept exactly, and the quality of the embedded model (top-1 agreement
+with fp32, perplexity on a fixed public-domain text) against bf16."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from carpool.bench.synthetic import SyntheticBatches
+from carpool.engine import LLMEngine
+from carpool.model.loader import open_gguf, resolve_quantization
+from carpool.model.quant import (QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
+                                 quantize_int8, quantize_linears)
+from tests.conftest import PROMPTS
+from tests.helpers import run_greedy
+
+TEXT = (Path(__file__).parent / "data" / "alice.txt").read_text()  # Carroll, 1865: public domain
+CPU = torch.device("cpu")
+
+
+def linear(n: int, k: int, bias: bool = False, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    layer.weight.data.normal_(0, 0.05)
+    return layer.requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, bias", [(96, False), (40, True)])  # 40: int4 pads N to 48
+def test_kernel_and_dense_copy_compute_the_dequantized_weights(mode, dtype, n, bias):
+    base = linear(n, 64, bias)
+    q = QuantizedLinear(base, mode, dtype).to(dtype)
+    w = q.dense.weight.float()
+    assert (w - base.weight).abs().max() <= (0.03 if mode == "int4" else 0.003)  # a quantization step
+    for tokens in (1, 3, 17):
+        x = torch.randn(tokens, 64).to(dtype)
+        ref = x.float() @ w.T + (base.bias if bias else 0)
+        tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+        torch.testing.assert_close(q.quantized(x).float(), ref, **tol)
+        torch.testing.assert_close(q.dense(x).float(), ref, **tol)
+        q.max_quantized_tokens = 1  # forward: the quantized kernel up to 1 token, dense above
+        assert torch.equal(q(x), (q.quantized if tokens == 1 else q.dense)(x))
+
+
+def test_constant_and_zero_rows_survive():
+    w = torch.zeros(16, 64)
+    w[1] = 0.25  # constant row: every group has zero range
+    q8, s8 = quantize_int8(w, torch.bfloat16)
+    torch.testing.assert_close(q8.float() * s8[:, None], w, rtol=4e-3, atol=0)  # a bf16 scale
+    q4, sz = quantize_int4(w, torch.bfloat16)
+    assert torch.equal(dequantize_int4(q4, sz), w)
+
+
+@pytest.fixture(scope="module")
+def reader(model_path):
+    return open_gguf(model_path)
+
+
+def test_int4_keeps_gguf_q4_1_codes(reader):
+    """Requantizing a Q4_1 tensor gives back its values (same 32-wide groups, min/max scale)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert GGMLQuantizationType(t.tensor_type).name == "Q4_1"
+    w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                         .reshape(tuple(int(d) for d in reversed(t.shape))))
+    q, sz = quantize_int4(w, torch.float32)
+    torch.testing.assert_close(dequantize_int4(q, sz), w, rtol=0, atol=1e-6)
+
+
+def test_resolve_quantization(model_path, reader):
+    assert resolve_quantization("auto", CPU, torch.bfloat16, reader) == "int4"  # a Q4_1 GGUF
+    assert resolve_quantization("auto", CPU, torch.float32, reader) == "none"  # the reference
+    assert resolve_quantization("auto", torch.device("cuda"), torch.bfloat16, reader) == "none"
+    assert resolve_quantization("auto", CPU, torch.bfloat16, None) == "none"  # HF folders
+    assert resolve_quantization("int8", CPU, torch.float32, None) == "int8"
+    with pytest.raises(ValueError, match="cpu"):
+        check_quantization("int8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization"):
+        LLMEngine(model=model_path, quantization="int3")
+
+
+def test_lm_head_stays_int8_under_int4():
+    model = nn.ModuleDict({"proj": nn.Linear(64, 32), "lm_head": nn.Linear(64, 48)})
+    assert quantize_linears(model, "int4", torch.float32) == 2
+    assert (model["proj"].mode, model["lm_head"].mode) == ("int4", "int8")
+    assert quantize_linears(model, "none", torch.float32) == 0
+
+
+# ---------------------------------------------------------------- quality on the embedded model
+
+def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
+    manual = SyntheticBatches(engine)
+    try:
+        return manual.run([(manual.new(ids), len(ids))], all_logits=True).float()
+    finally:
+        manual.close()
+
+
+def quality(engine, seqs, reference_top1, text_ids) -> tuple[float, float]:
+    """(top-1 agreement with the fp32 reference over prompt + continuation, perplexity of TEXT)."""
+    agree = sum((teacher_forced_logits(engine, s).argmax(-1) == r).sum().item()
+                for s, r in zip(seqs, reference_top1))
+    logits = teacher_forced_logits(engine, text_ids)
+    ppl = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(text_ids[1:])).item())
+    return agree / sum(len(s) for s in seqs), ppl
+
+
+@pytest.fixture(scope="module")
+def reference(engine_fp32):
+    """Prompts + 32 greedy fp32 tokens, the fp32 argmax at each position, and the text's ids."""
+    ids = [engine_fp32.tokenizer.encode(p) for p in PROMPTS]
+    seqs = [p + c for p, c in zip(ids, run_greedy(engine_fp32, ids, 32))]
+    return seqs, [teacher_forced_logits(engine_fp32, s).argmax(-1) for s in seqs], engine_fp32.tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def bf16_quality(model_path, reference):
+    engine = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=32 << 20)
+    return quality(engine, *reference)
+
+
+# Measured (Xeon, torch 2.13): bf16 0.973 / ppl 23.71; int8 0.964 / 24.06 (+1.5%);
+# int4 0.978 / 23.99 (+1.2%: the Q4_1 layers are kept exactly, the LM head is int8); fp32 ppl 23.86.
+@pytest.mark.parametrize("mode, min_top1, max_ppl_ratio", [("int8", 0.95, 1.03), ("int4", 0.90, 1.15)])
+def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality, mode, min_top1,
+                                            max_ppl_ratio):
+    engine = LLMEngine(model=model_path, dtype="bfloat16", quantization=mode, kv_cache_memory=32 << 20)
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * engine.model_config.num_layers + 1  # LM head included
+    for layer in layers:  # what decode runs: the quantized kernels, whatever the token count
+        layer.max_quantized_tokens = 1 << 30
+    top1, ppl = quality(engine, *reference)
+    print(f"{mode}: top-1 agreement with fp32 {top1:.4f} (bf16 {bf16_quality[0]:.4f}); "
+          f"perplexity {ppl:.2f} (bf16 {bf16_quality[1]:.2f}, {ppl / bf16_quality[1] - 1:+.1%})")
+    assert top1 >= min_top1
+    assert ppl <= bf16_quality[1] * max_ppl_ratio
+    # Through the engine loop (calibrated kernel choice, chunked prefill + decode): coherent text.
+    for layer in layers:
+        layer.max_quantized_tokens = 4
+    out = run_greedy(engine, [engine.tokenizer.encode("The capital of France is")], 4)[0]
+    assert "Paris" in engine.tokenizer.decode(out)
