@@ -117,6 +117,10 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query / key head before RoPE
+    # Sampling defaults from generation_config.json (vLLM's names: temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens); a request's unset fields take them.
+    generation_defaults: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -95,6 +95,17 @@ class LLMEngine:
                  " per worker" if config.world_size > 1 else "", self.dtype, self.max_model_len)
 
     # ------------------------------------------------------------ requests in
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens), as vLLM applies them to
+        requests that give none; plain SamplingParams() for models without one."""
+        defaults = self.model_config.generation_defaults
+        try:
+            return SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            log.warning("ignoring the model's generation_config.json defaults %s: %s", defaults, e)
+            return SamplingParams()
+
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -109,7 +120,7 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError (and holds nothing) if it is bad."""
         if self._dead is not None:
             raise ExecutorError(self._dead)
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or self.default_sampling_params()
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         request_id = str(next(self._ids)) if request_id is None else request_id

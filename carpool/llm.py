@@ -36,7 +36,7 @@ class LLM:
             rid = f"gen-{id(self)}-{i}"
             order.append(rid)
             try:
-                self.engine.add_request(prompt, sp or SamplingParams(), request_id=rid)
+                self.engine.add_request(prompt, sp, request_id=rid)  # None: the model's defaults
             except ValueError as e:
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
                                              [], "", [], "", [], True, RequestStatus.FINISHED_ERROR.value,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from carpool.model.loader import is_gguf, open_gguf
+from carpool.model.loader import is_gguf, open_gguf, resolve_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: everything is local
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,6 +66,7 @@ def load_tokenizer(model_path: str, gguf_reader=None):
         return _gguf_tokenizer(gguf_reader or open_gguf(model_path))
     from transformers import AutoTokenizer
 
+    model_path = resolve_model_path(model_path)  # org/name: its snapshot in the local HF cache
     if not (Path(model_path) / "tokenizer_config.json").exists() and not (Path(model_path) / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model_path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
     return AutoTokenizer.from_pretrained(model_path)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat token matrix.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM) over a flat token matrix.
 
 All of a step's tokens, decodes and prefill chunks alike, form one [num_tokens, hidden] matrix:
 every linear layer runs once over it and only attention looks at sequence boundaries.
@@ -33,15 +33,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and the factor cos/sin are multiplied by (yarn's attention factor;
+    1.0 for the others). default / linear / llama3 are computed here; every other type (yarn,
+    dynamic, longrope, ...) by transformers' ROPE_INIT_FUNCTIONS, as its models do.
+
+    `dynamic` (NTK) recomputes its frequencies in transformers only for sequences longer than
+    max_position_embeddings, which carpool never runs (max_model_len is capped there), so the
+    static frequencies at max_position_embeddings computed once here are exactly what
+    transformers uses for every sequence carpool can hold."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -52,8 +60,31 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blend = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - blend) * scaled / factor + blend * scaled
         in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return torch.where(in_band, blended, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return torch.where(in_band, blended, scaled), 1.0
+    return _transformers_rope(config, kind, scaling)
+
+
+def _transformers_rope(config: ModelConfig, kind: str, scaling: dict) -> tuple[torch.Tensor, float]:
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, "
+                         f"{', '.join(ROPE_INIT_FUNCTIONS)})")
+    params = {k: v for k, v in scaling.items() if k != "type"}
+    params.update(rope_type=kind, rope_theta=config.rope_theta)
+    hf = PretrainedConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
+                          head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                          rope_parameters=params)
+    with torch.device("cpu"):  # also when the model is being built on the meta device
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    if inv_freq.shape[0] != config.head_dim // 2:
+        raise ValueError(f"rope scaling {kind!r} with a partial rotary dimension is not supported")
+    return inv_freq.float(), float(attention_scaling)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    return rope_parameters(config)[0]
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,12 +92,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        inv_freq, self.attention_scaling = rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # yarn: as transformers, on the fp32 cos/sin
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,12 +197,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta, self.scale)

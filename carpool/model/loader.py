@@ -7,6 +7,8 @@ Both sources are turned into one stream of (Hugging Face parameter name, tensor)
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,16 +19,58 @@ from carpool.config import ModelConfig
 from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
 from carpool.model.quant import check_quantization, quantize_linears
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 def is_gguf(path: str) -> bool:
     return Path(path).is_file() and Path(path).suffix == ".gguf"
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(model: str) -> str:
+    """A local file or folder as is; `org/name` (not a local path) -> its snapshot in the local
+    Hugging Face cache (HF_HUB_CACHE / HF_HOME; never downloads). Other strings pass through."""
+    if Path(model).exists() or not _REPO_ID.match(model):
+        return model
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return snapshot_download(model, cache_dir=cache, local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(
+            f"model {model!r} is not a local path, and the Hugging Face repo {model!r} is not in the "
+            f"local cache ({cache}); carpool does not download: fetch it first with "
+            f"`huggingface-cli download {model}`, or pass a local folder / .gguf file") from e
+
+
 # ---------------------------------------------------------------- Hugging Face folders
 
+# generation_config.json key -> SamplingParams field (what vLLM takes from it as defaults).
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                        "max_new_tokens": "max_tokens"}
+
+
+def _ids(value) -> list[int]:
+    return [value] if isinstance(value, int) else [int(v) for v in value or []]
+
+
+def hf_generation_config(folder: Path) -> tuple[list[int], dict]:
+    """EOS ids and sampling defaults from generation_config.json ([], {} without one)."""
+    f = folder / "generation_config.json"
+    if not f.exists():
+        return [], {}
+    gen = json.loads(f.read_text())
+    defaults = {field: gen[key] for key, field in _GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+    return _ids(gen.get("eos_token_id")), defaults
+
+
 def hf_model_config(folder: Path) -> ModelConfig:
+    folder = Path(resolve_model_path(str(folder)))
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{folder} is neither a .gguf file nor a model folder with config.json")
@@ -41,6 +85,9 @@ def hf_model_config(folder: Path) -> ModelConfig:
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
         rope_scaling = None
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    eos_ids = _ids(eos)
+    gen_eos, gen_defaults = hf_generation_config(folder)
+    eos_ids += [i for i in gen_eos if i not in eos_ids]  # Llama-3 instruct: <|eot_id|> is only here
     return ModelConfig(
         architecture=archs[0],
         vocab_size=cfg["vocab_size"],
@@ -57,7 +104,9 @@ def hf_model_config(folder: Path) -> ModelConfig:
         attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
         rope_scaling=rope_scaling,
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        eos_token_ids=eos_ids,
+        qk_norm=archs[0] == "Qwen3ForCausalLM",
+        generation_defaults=gen_defaults,
     )
 
 
@@ -65,6 +114,7 @@ def hf_weights(folder: Path, wanted: Callable[[str], bool] | None = None) -> Ite
     """(name, tensor) pairs; tensors `wanted` rejects are not read at all."""
     from safetensors import safe_open
 
+    folder = Path(resolve_model_path(str(folder)))
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -239,7 +289,8 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
             put(prefix + "mlp.gate_up_proj.weight", shard(w, 0), 0 if module == "mlp.gate_proj" else inter)
         elif module in ("self_attn.o_proj", "mlp.down_proj"):
             put(prefix + f"{module}.weight", shard(w, 1))
-        elif module in ("input_layernorm", "post_attention_layernorm"):
+        elif module in ("input_layernorm", "post_attention_layernorm") or (
+                cfg.qk_norm and module in ("self_attn.q_norm", "self_attn.k_norm")):
             put(prefix + f"{module}.weight", w)
         else:
             raise ValueError(f"unexpected weight {name}")
@@ -254,6 +305,8 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         expected |= {f"{pre}mlp.gate_up_proj.weight@0", f"{pre}mlp.gate_up_proj.weight@{layer.mlp.inter}",
                      f"{pre}self_attn.o_proj.weight@0", f"{pre}mlp.down_proj.weight@0",
                      f"{pre}input_layernorm.weight@0", f"{pre}post_attention_layernorm.weight@0"}
+        if cfg.qk_norm:
+            expected |= {f"{pre}self_attn.q_norm.weight@0", f"{pre}self_attn.k_norm.weight@0"}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:6])}")

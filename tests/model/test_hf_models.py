@@ -1,0 +1,173 @@
+"""Model coverage beyond Llama/Qwen2 (issue 15, Models): generation_config.json (EOS ids and
+sampling defaults), RoPE scaling through transformers' ROPE_INIT_FUNCTIONS (yarn, dynamic),
+Qwen3 (q/k norm), and `org/name` from the local Hugging Face cache. Tiny random checkpoints,
+fp32 greedy equality with transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from carpool.bench.synthetic import SyntheticBatches
+from carpool.config import ModelConfig
+from carpool.engine import LLMEngine
+from carpool.llm import LLM
+from carpool.model.llama import rope_parameters
+from carpool.sampling_params import SamplingParams
+from tests.helpers import run_greedy
+
+VOCAB = 49152  # the embedded model's tokenizer is saved beside the weights
+PROMPTS = ("Hello there, friend", "1 2 3 4 5 6 7 8 9 10 11 12")
+
+
+def write_checkpoint(folder, tokenizer, arch: str = "Llama", **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=10000.0)
+    cfg.update(overrides)
+    config = getattr(transformers, f"{arch}Config")(**cfg)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    with torch.no_grad():  # random init is too tame to tell layouts apart; make logits spread
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def engine_for(path) -> LLMEngine:
+    return LLMEngine(model=str(path), dtype="float32", kv_cache_memory=16 << 20)
+
+
+def assert_matches_transformers(engine: LLMEngine, ref: torch.nn.Module, max_tokens: int = 12) -> None:
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    ours = run_greedy(engine, prompts, max_tokens)
+    for ids, mine in zip(prompts, ours):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert mine == out[0, len(ids):].tolist()
+    manual = SyntheticBatches(engine)
+    try:
+        logits = manual.run([(manual.new(prompts[1]), len(prompts[1]))], all_logits=True)
+    finally:
+        manual.close()
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, ref(torch.tensor([prompts[1]])).logits[0], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- generation_config.json
+
+def test_generation_config_eos_ids_stop_generation(tmp_path, engine_fp32):
+    """The Llama-3 "never stops" bug: an EOS id that only generation_config.json names ends
+    a request."""
+    write_checkpoint(tmp_path, engine_fp32.tokenizer)
+    engine = engine_for(tmp_path)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    first = run_greedy(engine, [prompt], 3)[0][0]
+    assert first not in engine.eos_token_ids
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, first]
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    engine = engine_for(tmp_path)
+    assert engine.eos_token_ids == {2, first}
+    req = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert req.output_token_ids == [first]
+
+
+def test_generation_config_sampling_defaults(tmp_path, engine_fp32):
+    write_checkpoint(tmp_path, engine_fp32.tokenizer)
+    assert engine_for(tmp_path).default_sampling_params() == SamplingParams()  # none given
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1, max_new_tokens=5,
+               do_sample=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+    sp = llm.llm_engine.default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (0.6, 0.9, 20, 1.1, 5)
+    out = llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0]  # no SamplingParams: the model's
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 7  # a request's own SamplingParams win
+
+
+# ---------------------------------------------------------------- RoPE scaling
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_own_rope_tables_equal_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = ModelConfig("LlamaForCausalLM", VOCAB, 64, 128, 2, 8, 4, 8, 1e-6, 50000.0, 512, False,
+                      rope_scaling=scaling)
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, max_position_embeddings=512,
+                                  rope_parameters={**scaling, "rope_theta": 50000.0})
+    ref, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, torch.device("cpu"))
+    mine, scale = rope_parameters(cfg)
+    assert scale == ref_scale == 1.0
+    torch.testing.assert_close(mine, ref.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+     "beta_slow": 2.0, "attention_factor": 1.3},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scaling_matches_transformers(tmp_path, engine_fp32, scaling):
+    ref = write_checkpoint(tmp_path, engine_fp32.tokenizer, rope_scaling=scaling)
+    engine = engine_for(tmp_path)
+    assert engine.model_config.rope_scaling["rope_type"] == scaling["rope_type"]
+    if scaling["rope_type"] == "yarn":
+        assert engine.model.rotary.attention_scaling == pytest.approx(ref.model.rotary_emb.attention_scaling)
+        assert engine.model.rotary.attention_scaling != 1.0
+    assert_matches_transformers(engine, ref)
+
+
+def test_unknown_rope_type_is_named():
+    cfg = ModelConfig("LlamaForCausalLM", VOCAB, 64, 128, 2, 8, 4, 8, 1e-6, 1e4, 512, False,
+                      rope_scaling={"rope_type": "wobbly", "factor": 2.0})
+    with pytest.raises(ValueError, match="wobbly"):
+        rope_parameters(cfg)
+
+
+# ---------------------------------------------------------------- Qwen3
+
+def test_qwen3_matches_transformers(tmp_path, engine_fp32):
+    ref = write_checkpoint(tmp_path, engine_fp32.tokenizer, "Qwen3", head_dim=16, tie_word_embeddings=True,
+                           rope_theta=1000000.0)
+    engine = engine_for(tmp_path)
+    cfg = engine.model_config
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and not cfg.attention_bias
+    assert cfg.head_dim == 16
+    assert_matches_transformers(engine, ref)
+
+
+# ---------------------------------------------------------------- org/name from the HF cache
+
+def test_model_from_local_hf_cache(tmp_path, monkeypatch, engine_fp32):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    ref = write_checkpoint(snapshot, engine_fp32.tokenizer)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no ./tiny-org/tiny-llama to find instead
+    engine = LLMEngine(model="tiny-org/tiny-llama", dtype="float32", kv_cache_memory=16 << 20)
+    assert engine.config.model == "tiny-org/tiny-llama"
+    assert_matches_transformers(engine, ref, max_tokens=4)
+    with pytest.raises(FileNotFoundError, match="tiny-org/not-cached"):
+        LLMEngine(model="tiny-org/not-cached", dtype="float32")
