@@ -1,4 +1,4 @@
-"""Read model shapes and weights from a Hugging Face folder or a llama-architecture GGUF file.
+"""Read model shapes and weights from a Hugging Face folder (Llama, Mistral, Qwen2/3, Phi-3) or a llama-architecture GGUF file.
 
 Both sources are turned into one stream of (Hugging Face parameter name, tensor) pairs; a single
 `load_weights` maps that stream onto the fused, possibly sharded, parameters of `LlamaModel`.
@@ -19,7 +19,8 @@ from carpool.config import ModelConfig
 from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
 from carpool.model.quant import check_quantization, quantize_linears
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM"}
 
 
 def is_gguf(path: str) -> bool:
@@ -85,6 +86,11 @@ def hf_model_config(folder: Path) -> ModelConfig:
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
         rope_scaling = None
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rotary_fraction = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0)
+    if rotary_fraction != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {rotary_fraction}) in "
+                         f"{cfg_file} are not supported")
     eos_ids = _ids(eos)
     gen_eos, gen_defaults = hf_generation_config(folder)
     eos_ids += [i for i in gen_eos if i not in eos_ids]  # Llama-3 instruct: <|eot_id|> is only here
@@ -234,6 +240,24 @@ def load_model_config(path: str, gguf_reader=None) -> ModelConfig:
     return hf_model_config(Path(path))
 
 
+def _unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3 keeps q/k/v and gate/up in one tensor each; yield them as Llama's separate ones."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, w in weights:
+        if ".self_attn.qkv_proj." in name:
+            pre, kind = name.split(".qkv_proj.")
+            for part, t in zip("qkv", w.split([q, kv, kv])):
+                yield f"{pre}.{part}_proj.{kind}", t
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            pre = name.removesuffix("gate_up_proj.weight")
+            gate, up = w.chunk(2)
+            yield pre + "gate_proj.weight", gate
+            yield pre + "up_proj.weight", up
+        else:
+            yield name, w
+
+
 def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the fused, sharded parameters this model holds."""
     cfg, tp = model.config, model.tp
@@ -257,7 +281,7 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         params[target].data.zero_()
         put(target, w[start:start + rows])
 
-    for name, w in weights:
+    for name, w in _unfused(weights, cfg):
         if name == "model.embed_tokens.weight":
             if model.is_first:
                 put_vocab("embed_tokens.weight", w)

@@ -171,3 +171,13 @@ def test_model_from_local_hf_cache(tmp_path, monkeypatch, engine_fp32):
     assert_matches_transformers(engine, ref, max_tokens=4)
     with pytest.raises(FileNotFoundError, match="tiny-org/not-cached"):
         LLMEngine(model="tiny-org/not-cached", dtype="float32")
+
+
+# ---------------------------------------------------------------- Phi-3
+
+def test_phi3_matches_transformers(tmp_path, engine_fp32):
+    """Phi-3: the Llama layout with q/k/v and gate/up fused in the checkpoint."""
+    ref = write_checkpoint(tmp_path, engine_fp32.tokenizer, "Phi3", pad_token_id=0, sliding_window=None)
+    engine = engine_for(tmp_path)
+    assert engine.model_config.architecture == "Phi3ForCausalLM"
+    assert_matches_transformers(engine, ref)
