@@ -11,6 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: everythin
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class _NotOurs(ValueError):
+    """A GGUF tokenizer carpool's own reader does not cover; transformers' GGUF support reads it."""
+
+
 def _gguf_tokenizer(reader):
     """Rebuild a byte-level BPE tokenizer from the vocab, merges and special tokens in GGUF."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -22,7 +26,7 @@ def _gguf_tokenizer(reader):
 
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (carpool reads byte-level BPE, 'gpt2')")
+        raise _NotOurs(f"GGUF tokenizer model {kind!r}")
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
@@ -37,7 +41,7 @@ def _gguf_tokenizer(reader):
         tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                              if digits else byte_level)
     else:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported")
+        raise _NotOurs(f"GGUF pre-tokenizer {pre!r}")
     tok.decoder = decoders.ByteLevel()
     # Types 3 (control) and 4 (user-defined) are special tokens that must never be split.
     from tokenizers import AddedToken
@@ -61,9 +65,21 @@ def _gguf_tokenizer(reader):
     )
 
 
+def _transformers_gguf_tokenizer(path: str):
+    """Other families' GGUF tokenizers (SentencePiece 'llama', Llama-3 'llama-bpe', 'qwen2', ...),
+    converted by transformers' GGUF support."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
 def load_tokenizer(model_path: str, gguf_reader=None):
     if is_gguf(model_path):
-        return _gguf_tokenizer(gguf_reader or open_gguf(model_path))
+        try:
+            return _gguf_tokenizer(gguf_reader or open_gguf(model_path))
+        except _NotOurs:
+            return _transformers_gguf_tokenizer(model_path)
     from transformers import AutoTokenizer
 
     model_path = resolve_model_path(model_path)  # org/name: its snapshot in the local HF cache

@@ -1,4 +1,5 @@
-"""Read model shapes and weights from a Hugging Face folder (Llama, Mistral, Qwen2/3, Phi-3) or a llama-architecture GGUF file.
+"""Read model shapes and weights from a Hugging Face folder (Llama, Mistral, Qwen2/3, Phi-3) or a
+GGUF file (llama, qwen2, qwen3 architectures).
 
 Both sources are turned into one stream of (Hugging Face parameter name, tensor) pairs; a single
 `load_weights` maps that stream onto the fused, possibly sharded, parameters of `LlamaModel`.
@@ -141,13 +142,18 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+# GGUF general.architecture -> the Hugging Face architecture it holds.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def gguf_model_config(reader) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; carpool reads llama GGUF files")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; carpool reads "
+                         f"{', '.join(GGUF_ARCHITECTURES)} GGUF files")
 
     def get(key, default=None):
-        return _gguf_field(reader, f"llama.{key}", default)
+        return _gguf_field(reader, f"{arch}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     tensors = {t.name for t in reader.tensors}
@@ -157,14 +163,14 @@ def gguf_model_config(reader) -> ModelConfig:
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         num_layers=get("block_count"),
         num_heads=heads,
         num_kv_heads=get("attention.head_count_kv") or heads,
-        head_dim=get("rope.dimension_count") or hidden // heads,
+        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
@@ -173,6 +179,7 @@ def gguf_model_config(reader) -> ModelConfig:
         rope_scaling=scaling,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
 
 
@@ -180,7 +187,8 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -218,9 +226,10 @@ def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | No
             raise ValueError(f"GGUF tensor {t.name} has unsupported type "
                              f"{GGMLQuantizationType(t.tensor_type).name}") from e
         w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if parts[0] == "blk" and parts[2] == "attn_q":
+        permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp's NeoX-RoPE models keep HF's order
+        if permuted and parts[0] == "blk" and parts[2] == "attn_q":
             w = unpermute_qk(w, config.num_heads)
-        elif parts[0] == "blk" and parts[2] == "attn_k":
+        elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
             w = unpermute_qk(w, config.num_kv_heads)
         yield name, torch.from_numpy(w)
 

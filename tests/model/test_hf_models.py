@@ -181,3 +181,77 @@ def test_phi3_matches_transformers(tmp_path, engine_fp32):
     engine = engine_for(tmp_path)
     assert engine.model_config.architecture == "Phi3ForCausalLM"
     assert_matches_transformers(engine, ref)
+
+
+# ---------------------------------------------------------------- GGUF files of other families
+
+_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+            "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+            "self_attn.k_norm": "attn_k_norm"}
+
+
+def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str) -> None:
+    """A float32 GGUF of `ref` as llama.cpp's converter lays out qwen2 / qwen3 (no Q/K permutation),
+    with the embedded model's vocabulary under another pre-tokenizer name."""
+    import gguf
+
+    cfg = ref.config
+    field = lambda key: tokenizer_reader.fields[key].contents()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(field("tokenizer.ggml.tokens"))
+    w.add_token_types(field("tokenizer.ggml.token_type"))
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{_TO_GGUF[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, t.float().numpy().copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch):
+    from transformers import AutoTokenizer
+
+    from carpool.model.loader import open_gguf
+
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    ref = write_checkpoint(tmp_path / "hf", engine_fp32.tokenizer, arch.capitalize(), tie_word_embeddings=True,
+                           **extra)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, ref, arch, open_gguf(model_path), pre="qwen2")
+    engine = engine_for(path)
+    cfg = engine.model_config
+    assert cfg.architecture == f"{arch.capitalize()}ForCausalLM"
+    assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
+    # carpool's own reader knows only the embedded model's pre-tokenizers; transformers reads 'qwen2'
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    text = "Hello there, friend: 12345 tokens!"
+    assert engine.tokenizer.encode(text) == theirs.encode(text)
+    assert_matches_transformers(engine, ref)
