@@ -193,8 +193,9 @@ _TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_at
 
 
 def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str) -> None:
-    """A float32 GGUF of `ref` as llama.cpp's converter lays out qwen2 / qwen3 (no Q/K permutation),
-    with the embedded model's vocabulary under another pre-tokenizer name."""
+    """A float32 GGUF of `ref` as llama.cpp's converter lays it out (llama: Q/K rows interleaved
+    per head; qwen2 / qwen3 as in HF), with the embedded model's vocabulary under another
+    pre-tokenizer name."""
     import gguf
 
     cfg = ref.config
@@ -228,15 +229,19 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, t.float().numpy().copy())
+        t = t.float().numpy().copy()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape).copy()
+        w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch):
+@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("qwen3", "qwen2"), ("llama", "llama-bpe")])
+def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch, pre):
     from transformers import AutoTokenizer
 
     from carpool.model.loader import open_gguf
@@ -245,12 +250,12 @@ def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch):
     ref = write_checkpoint(tmp_path / "hf", engine_fp32.tokenizer, arch.capitalize(), tie_word_embeddings=True,
                            **extra)
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(path, ref, arch, open_gguf(model_path), pre="qwen2")
+    write_gguf(path, ref, arch, open_gguf(model_path), pre=pre)
     engine = engine_for(path)
     cfg = engine.model_config
     assert cfg.architecture == f"{arch.capitalize()}ForCausalLM"
     assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
-    # carpool's own reader knows only the embedded model's pre-tokenizers; transformers reads 'qwen2'
+    # carpool's own reader knows only the embedded model's pre-tokenizers; transformers reads these
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     text = "Hello there, friend: 12345 tokens!"
     assert engine.tokenizer.encode(text) == theirs.encode(text)
