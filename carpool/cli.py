@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)")
     g.add_argument("--scheduler", default="sarathi")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes computed before (default: on)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (per worker process with TP/PP; default: cores / processes)")
     g.add_argument("--seed", type=int, default=0)
@@ -39,7 +41,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        scheduler=args.scheduler, num_threads=args.num_threads, seed=args.seed,
+                        scheduler=args.scheduler, enable_prefix_caching=args.enable_prefix_caching,
+                        num_threads=args.num_threads, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         quantization=args.quantization)

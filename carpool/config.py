@@ -136,6 +136,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: see default_kv_cache_memory
     scheduler: str = "sarathi"
+    # Reuse the KV of full blocks whose whole prefix was computed before (core/block_manager.py).
+    enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads (per worker process with TP/PP)
     seed: int = 0
     # Weight-only quantized linears on CPU (model/quant.py): none, int8, int4, or auto (a GGUF's

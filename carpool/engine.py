@@ -71,7 +71,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block "
                              f"({per_token * config.block_size} bytes each)")
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings,
                                  self.block_manager.capacity_tokens)
@@ -158,6 +158,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (benchmarks start each run cold); only while idle."""
+        return self.block_manager.reset_prefix_cache()
 
     @property
     def num_unfinished_requests(self) -> int:

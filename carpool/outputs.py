@@ -44,6 +44,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class OutputProcessor:
@@ -122,6 +123,7 @@ class OutputProcessor:
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                    request.token_times, request.finished_time, request.num_preemptions),
             error=request.error,
+            num_cached_tokens=request.num_cached_tokens,
         )
         if request.is_finished:
             self._detok.pop(rid, None)

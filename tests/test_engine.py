@@ -239,3 +239,75 @@ def test_llm_chat(engine_fp32, model_path):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=24, temperature=0),
                    use_tqdm=False)
     assert "4" in out[0].text
+
+
+# ------------------------------------------------------------------ prefix caching
+def shared_prefix_prompts(tokenizer) -> list[list[int]]:
+    """A ~70-token system prompt before different questions, one question twice, and the system
+    prompt cut to exactly three blocks (all of it cached, yet its last token is computed)."""
+    system = tokenizer.encode("You are a terse assistant who knows the NATO alphabet: " + " ".join(WORDS * 2))
+    questions = [tokenizer.encode(f" Question {i}: what follows " + " ".join(WORDS[i:i + 2 + i]) + "?")
+                 for i in range(6)]
+    return [system + q for q in questions] + [system + questions[2], system[:48]]
+
+
+def run_requests(engine, prompts, max_tokens: int):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(p, sp) for p in prompts]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [r.output_token_ids for r in reqs], [finals[r.request_id] for r in reqs]
+
+
+@pytest.mark.parametrize("policy, budget, num_blocks", [
+    ("sarathi", 512, None), ("sarathi", 32, None), ("sarathi", 64, 20), ("orca", 512, None), ("vllm", 128, None)])
+def test_prefix_cache_keeps_outputs(engine_fp32, policy, budget, num_blocks):
+    """fp32 greedy: cache off, then cache on (a first request warms it, the rest share its
+    prefix), whole prompts and chunks, with and without preemption: the same tokens."""
+    prompts = shared_prefix_prompts(engine_fp32.tokenizer)
+    with scheduler_config(engine_fp32, budget=budget, num_blocks=num_blocks, policy=policy, prefix_caching=False):
+        off, _ = run_requests(engine_fp32, prompts, 10)
+    with scheduler_config(engine_fp32, budget=budget, num_blocks=num_blocks, policy=policy,
+                          prefix_caching=True) as engine:
+        warm, _ = run_requests(engine, prompts[:1], 10)
+        on, outs = run_requests(engine, prompts, 10)
+        sched, bm = engine.scheduler, engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        if num_blocks:
+            assert sched.num_preemptions > 0
+        hits, queries = sched.prefix_cache_hits, sched.prefix_cache_queries
+    assert warm == off[:1] and on == off
+    assert [o.num_cached_tokens for o in outs][-1] == 32  # 3 cached blocks, the last recomputed
+    assert queries == sum(map(len, prompts[:1] + prompts))
+    assert hits == sum(o.num_cached_tokens for o in outs)
+    if not num_blocks:  # with room to keep it, every prompt found the system prompt
+        assert all(o.num_cached_tokens >= 64 for o in outs[:-1])
+
+
+def test_prefix_cache_multi_turn(engine_fp32):
+    """Each turn = the previous prompt + its answer + a new message: the answer's blocks hit too."""
+    tok = engine_fp32.tokenizer
+    messages = [tok.encode(f" Turn {i}: " + " ".join(WORDS[3 * i:3 * i + 6])) for i in range(3)]
+
+    def converse(caching: bool):
+        with scheduler_config(engine_fp32, budget=48, prefix_caching=caching) as engine:
+            prompt, answers, cached = [], [], []
+            for m in messages:
+                prompt = prompt + m
+                out, finals = run_requests(engine, [prompt], 12)
+                answers.append(out[0])
+                cached.append(finals[0].num_cached_tokens)
+                prompt = prompt + out[0]
+            return answers, cached
+
+    off, cached_off = converse(False)
+    on, cached_on = converse(True)
+    assert on == off and cached_off == [0, 0, 0]
+    length = 0
+    for i, m in enumerate(messages):
+        if i:  # everything computed before: the previous prompt and all but the last answer token
+            assert cached_on[i] == (length - 1) // 16 * 16
+        length += len(m) + 12

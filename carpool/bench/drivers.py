@@ -8,18 +8,26 @@ A driver may be given a `stop` callback, called about every `check_interval` sec
 timelines so far and the current time; when it returns a reason the run ends early and every
 request still in flight is aborted (the capacity search uses this to give up on a rate as soon
 as its SLO is certainly violated).
+
+Multi-turn workloads: a follow-up turn is sent `think time` after its previous turn finished,
+with that turn's prompt and answer in front of its new message. In process these are the exact
+token ids the engine holds, so the conversation's prefix really repeats; over HTTP the answer is
+known as text only and is tokenized back with the local tokenizer (the same ids unless a token
+boundary shifts). A turn whose previous turn failed fails too, without being sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from carpool.bench.metrics import IterationRecord, RequestTimeline
-from carpool.bench.workload import RequestSpec
+from carpool.bench.workload import RequestSpec, followup_prompt, split_conversations
 
 StopCheck = Callable[[list[RequestTimeline], float], "str | None"]
 
@@ -61,27 +69,32 @@ class InProcessDriver:
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine is busy; the in-process driver needs it idle")
         self._runs += 1
-        specs = sorted(specs, key=lambda s: s.arrival_time)
+        engine.reset_prefix_cache()  # each run starts cold: earlier runs replayed the same prompts
+        firsts, followups = split_conversations(specs)
         added: list[tuple[RequestSpec, object]] = []
         errors: list[RequestTimeline] = []
         start = time.monotonic()
+        # (arrival time, tie-break, spec, prompt ids): first turns now, follow-ups as turns finish
+        pending = [(start + s.arrival_time, k, s, s.prompt_token_ids) for k, s in enumerate(firsts)]
+        order = itertools.count(len(pending))
+        waiting_for: dict[str, tuple[RequestSpec, object]] = {}  # request id -> a turn with follow-ups
         next_check = start + self.check_interval
         stopped = None
-        i = 0
-        while i < len(specs) or engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():
             now = time.monotonic()
-            while i < len(specs) and start + specs[i].arrival_time <= now:
-                spec = specs[i]
-                arrival = start + spec.arrival_time
+            while pending and pending[0][0] <= now:
+                arrival, _, spec, prompt = heapq.heappop(pending)
                 sp = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
                 try:
-                    req = engine.add_request(spec.prompt_token_ids, sp, request_id=f"bench{self._runs}-{spec.index}",
+                    req = engine.add_request(prompt, sp, request_id=f"bench{self._runs}-{spec.index}",
                                              arrival_time=arrival)
                     added.append((spec, req))
+                    if spec.index in followups:
+                        waiting_for[req.request_id] = (spec, req)
                 except ValueError as e:
-                    errors.append(RequestTimeline(str(spec.index), arrival, [], spec.prompt_len,
+                    errors.append(RequestTimeline(str(spec.index), arrival, [], len(prompt),
                                                   num_expected_tokens=spec.output_len, error=str(e)))
-                i += 1
+                    fail_followups(spec, followups, arrival, errors)
             if stop is not None and now >= next_check:
                 next_check = now + self.check_interval
                 stopped = stop(self._timelines(added) + errors, now)
@@ -90,9 +103,18 @@ class InProcessDriver:
                         engine.abort_request(req.request_id)
                     break
             if engine.has_unfinished_requests():
-                engine.step()
-            elif i < len(specs):
-                time.sleep(max(0.0, start + specs[i].arrival_time - time.monotonic()))
+                for out in engine.step():
+                    if not (out.finished and out.request_id in waiting_for):
+                        continue
+                    spec, req = waiting_for.pop(out.request_id)
+                    if req.error is not None or req.finish_reason not in ("length", "stop"):
+                        fail_followups(spec, followups, req.finished_time, errors)
+                        continue
+                    for f in followups[spec.index]:
+                        heapq.heappush(pending, (req.finished_time + f.arrival_time, next(order), f,
+                                                 followup_prompt(f, req.token_ids)))
+            elif pending:
+                time.sleep(max(0.0, pending[0][0] - time.monotonic()))
         end = time.monotonic()
         iterations = [IterationRecord(s.start_time, s.duration, s.num_prefill_tokens, s.num_decode_tokens,
                                       s.num_requests, s.num_preempted)
@@ -111,9 +133,18 @@ class InProcessDriver:
                                   and req.finish_reason not in ("length", "stop") else None)
             out.append(RequestTimeline(
                 str(spec.index), req.arrival_time, list(req.token_times) if copy else req.token_times,
-                spec.prompt_len, req.first_scheduled_time, req.finished_time, req.num_preemptions,
-                spec.output_len, error))
+                req.num_prompt_tokens, req.first_scheduled_time, req.finished_time, req.num_preemptions,
+                spec.output_len, error, req.num_cached_tokens))
         return out
+
+
+def fail_followups(spec: RequestSpec, followups: dict[int, list[RequestSpec]], when: float,
+                   errors: list[RequestTimeline]) -> None:
+    """The turn `spec` failed: its follow-ups (and theirs) fail without being sent."""
+    for f in followups.get(spec.index, ()):
+        errors.append(RequestTimeline(str(f.index), when, [], f.prompt_len, num_expected_tokens=f.output_len,
+                                      error=f"previous turn {spec.index} failed"))
+        fail_followups(f, followups, when, errors)
 
 
 class OnlineDriver:
@@ -128,7 +159,7 @@ class OnlineDriver:
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  prompt_format: str = "ids", detokenize: Callable[[list[int]], str] | None = None,
                  logprobs: bool = True, timeout: float = 3600.0, check_interval: float = 0.5,
-                 extra_body: dict | None = None):
+                 extra_body: dict | None = None, tokenize: Callable[[str], list[int]] | None = None):
         if prompt_format not in ("ids", "text"):
             raise ValueError(f"prompt_format must be ids or text, got {prompt_format!r}")
         if prompt_format == "text" and detokenize is None:
@@ -144,9 +175,13 @@ class OnlineDriver:
         self.timeout = timeout
         self.check_interval = check_interval
         self.extra_body = extra_body or {}
+        self.tokenize = tokenize  # answer text -> ids, for the prompts of follow-up turns
 
     def run(self, specs: list[RequestSpec], stop: StopCheck | None = None) -> RunResult:
-        return asyncio.run(self._run(sorted(specs, key=lambda s: s.arrival_time), stop))
+        firsts, followups = split_conversations(specs)
+        if followups and self.tokenize is None:
+            raise ValueError("a multi-turn workload over HTTP needs a tokenize function for the answers")
+        return asyncio.run(self._run(firsts, followups, stop))
 
     def warmup(self, prompt_len: int = 64, output_len: int = 8) -> None:
         spec = RequestSpec(0, 0.0, [(i * 7919) % 30000 + 100 for i in range(prompt_len)], output_len)
@@ -164,7 +199,8 @@ class OnlineDriver:
         self.model = data[0]["id"]
         return self.model
 
-    async def _run(self, specs: list[RequestSpec], stop: StopCheck | None) -> RunResult:
+    async def _run(self, specs: list[RequestSpec], followups: dict[int, list[RequestSpec]],
+                   stop: StopCheck | None) -> RunResult:
         import httpx
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -176,8 +212,8 @@ class OnlineDriver:
             start = time.monotonic() + 0.05
             timelines = [RequestTimeline(str(s.index), start + s.arrival_time, [], s.prompt_len,
                                          num_expected_tokens=s.output_len) for s in specs]
-            tasks = [asyncio.create_task(self._one(client, model, s, t, start, notes))
-                     for s, t in zip(specs, timelines)]
+            tasks = [asyncio.create_task(self._turn(client, model, s, s.prompt_token_ids, t, timelines, followups,
+                                                    notes)) for s, t in zip(specs, timelines)]
             stopped = None
             pending = set(tasks)
             while pending:
@@ -195,8 +231,29 @@ class OnlineDriver:
             timelines = [t for t in timelines if t.arrival_time <= end]
         return RunResult(timelines, [], start, end, stopped, notes)
 
-    def _body(self, model: str, spec: RequestSpec) -> dict:
-        prompt = spec.prompt_token_ids if self.prompt_format == "ids" else self.detokenize(spec.prompt_token_ids)
+    async def _turn(self, client, model: str, spec: RequestSpec, prompt: list[int], timeline: RequestTimeline,
+                    timelines: list[RequestTimeline], followups: dict[int, list[RequestSpec]], notes: dict) -> None:
+        """One request, then (conversations) its follow-up turns once it has finished."""
+        answer = await self._one(client, model, spec, prompt, timeline, notes)
+        nxt = followups.get(spec.index, [])
+        if not nxt:
+            return
+        if timeline.error is not None or not timeline.completed:
+            errors: list[RequestTimeline] = []
+            fail_followups(spec, followups, timeline.finished_time or time.monotonic(), errors)
+            timelines.extend(errors)
+            return
+        history = prompt + self.tokenize(answer)
+        turns = []
+        for f in nxt:
+            t = RequestTimeline(str(f.index), timeline.finished_time + f.arrival_time, [], f.prompt_len,
+                                num_expected_tokens=f.output_len)
+            timelines.append(t)
+            turns.append(self._turn(client, model, f, followup_prompt(f, history), t, timelines, followups, notes))
+        await asyncio.gather(*turns)
+
+    def _body(self, model: str, spec: RequestSpec, prompt: list[int]) -> dict:
+        prompt = prompt if self.prompt_format == "ids" else self.detokenize(prompt)
         body = {"model": model, "prompt": prompt, "max_tokens": spec.output_len, "min_tokens": spec.output_len,
                 "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -205,16 +262,18 @@ class OnlineDriver:
         body.update(self.extra_body)
         return body
 
-    async def _one(self, client, model: str, spec: RequestSpec, timeline: RequestTimeline, start: float,
-                   notes: dict) -> None:
-        await asyncio.sleep(max(0.0, start + spec.arrival_time - time.monotonic()))
+    async def _one(self, client, model: str, spec: RequestSpec, prompt: list[int], timeline: RequestTimeline,
+                   notes: dict) -> str:
+        """Stream one completion into `timeline` (sent at its arrival time); returns the text."""
+        await asyncio.sleep(max(0.0, timeline.arrival_time - time.monotonic()))
+        text: list[str] = []
         try:
-            async with client.stream("POST", f"{self.base_url}/completions", json=self._body(model, spec),
+            async with client.stream("POST", f"{self.base_url}/completions", json=self._body(model, spec, prompt),
                                      headers=self.headers) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    timeline.error = f"HTTP {resp.status_code}: {text[:300]}"
-                    return
+                    body = (await resp.aread()).decode(errors="replace")
+                    timeline.error = f"HTTP {resp.status_code}: {body[:300]}"
+                    return ""
                 reported = None
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -230,9 +289,12 @@ class OnlineDriver:
                     for choice in chunk.get("choices") or []:
                         n = count_tokens(choice)
                         timeline.token_times.extend([now] * n)
+                        text.append(choice.get("text") or "")
                     usage = chunk.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         reported = usage["completion_tokens"]
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        timeline.num_cached_tokens = int(cached or 0)
                 timeline.finished_time = time.monotonic()
                 if reported is not None and reported > len(timeline.token_times):
                     notes["tokens_not_seen"] += reported - len(timeline.token_times)
@@ -243,6 +305,7 @@ class OnlineDriver:
             raise
         except Exception as e:  # a connection failure fails this request, not the run
             timeline.error = f"{type(e).__name__}: {e}"
+        return "".join(text)
 
 
 def count_tokens(choice: dict) -> int:

@@ -41,6 +41,7 @@ class RequestTimeline:
     num_preemptions: int = 0
     num_expected_tokens: int | None = None  # the output length asked for, if fixed
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (0 where not visible)
 
     @property
     def completed(self) -> bool:
@@ -53,7 +54,7 @@ class RequestTimeline:
         sub = lambda t: None if t is None else t - origin
         return RequestTimeline(self.request_id, self.arrival_time - origin, [t - origin for t in self.token_times],
                                self.num_prompt_tokens, sub(self.first_scheduled_time), sub(self.finished_time),
-                               self.num_preemptions, self.num_expected_tokens, self.error)
+                               self.num_preemptions, self.num_expected_tokens, self.error, self.num_cached_tokens)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RequestMetrics:
     num_preemptions: int
     completed: bool
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Summary:
     duration: float  # first arrival -> last token
     prompt_tokens: int
     output_tokens: int
+    cached_prompt_tokens: int  # of prompt_tokens, those whose KV came from the prefix cache
     output_tokens_per_s: float
     requests_per_s: float
     scheduling_delay: Distribution
@@ -179,6 +182,7 @@ def request_metrics(t: RequestTimeline, origin: float, stall_threshold: float | 
         num_preemptions=t.num_preemptions,
         completed=t.completed,
         error=t.error,
+        num_cached_tokens=t.num_cached_tokens,
     )
 
 
@@ -222,6 +226,7 @@ def summarize(timelines: list[RequestTimeline], iterations: list[IterationRecord
         duration=duration,
         prompt_tokens=sum(t.num_prompt_tokens for t in timelines),
         output_tokens=output_tokens,
+        cached_prompt_tokens=sum(t.num_cached_tokens for t in timelines),
         output_tokens_per_s=output_tokens / duration if duration > 0 else 0.0,
         requests_per_s=completed / duration if duration > 0 else 0.0,
         scheduling_delay=Distribution.of(m.scheduling_delay for m in per_request),

@@ -36,6 +36,16 @@ def int_at_least(minimum: int):
     return parse
 
 
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return v
+
+
 positive_int = int_at_least(1)
 nonneg_int = int_at_least(0)
 
@@ -146,6 +156,13 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
                    help="gamma arrivals: coefficient of variation of the gaps (1 = Poisson)")
     g.add_argument("--prompt-corpus", default=None,
                    help="text file to cut prompts from (default: random whole-word tokens)")
+    g.add_argument("--system-prompt-len", type=nonneg_int, default=0,
+                   help="the same N tokens in front of every (first-turn) prompt: a shared system prompt")
+    g.add_argument("--turns", type=positive_int, default=1,
+                   help="> 1: each request starts a conversation of this many turns; a turn's prompt is the "
+                        "previous prompt + its answer + a new message (lengths as for a request)")
+    g.add_argument("--think-time", type=nonneg_float, default=1.0,
+                   help="mean seconds (exponential) between a turn's answer and the next turn")
     p.set_defaults(**defaults)
 
 

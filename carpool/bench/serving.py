@@ -44,7 +44,8 @@ def workload_config(args, **overrides) -> WorkloadConfig:
               output_len=args.output_len, min_prompt_len=args.prompt_range[0], max_prompt_len=args.prompt_range[1],
               min_output_len=args.output_range[0], max_output_len=args.output_range[1], zipf_theta=args.zipf_theta,
               trace=args.trace, length_scale=args.length_scale, trace_offset=args.trace_offset,
-              arrivals=args.arrivals, qps=None, burstiness=args.burstiness, seed=args.seed)
+              arrivals=args.arrivals, qps=None, burstiness=args.burstiness, seed=args.seed,
+              system_prompt_len=args.system_prompt_len, turns=args.turns, think_time=args.think_time)
     kw.update(overrides)
     if kw["qps"] is None and kw["arrivals"] in ("poisson", "gamma"):
         kw["qps"] = 1.0
@@ -95,7 +96,8 @@ class Target:
         if self.online:
             a = self.args
             driver = OnlineDriver(a.base_url, a.served_model, a.api_key, a.prompt_format,
-                                  detokenize=lambda ids: self.tokenizer.decode(ids), logprobs=not a.no_logprobs)
+                                  detokenize=lambda ids: self.tokenizer.decode(ids), logprobs=not a.no_logprobs,
+                                  tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
             return driver, "server"
         from carpool.engine import LLMEngine
 
@@ -168,7 +170,10 @@ def row_of(label: str, qps: float | None, summary: Summary, extra: dict | None =
            "ttft_p50": s.ttft.p50, "ttft_p99": s.ttft.p99, "tbt_p50": s.tbt.p50, "tbt_p99": s.tbt.p99,
            "tbt_max": s.tbt.max, "scheduling_delay_p50": s.scheduling_delay.p50,
            "e2e_p50": s.e2e_latency.p50, "num_stalls": s.num_stalls, "stall_time": s.stall_time,
-           "preemptions": s.num_preemptions, "duration": s.duration}
+           "preemptions": s.num_preemptions, "duration": s.duration,
+           "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+           "prefill_tokens_per_request": (s.iterations.get("prefill_tokens", 0) / s.num_requests
+                                          if s.iterations.get("count") and s.num_requests else None)}
     row.update(extra or {})
     return row
 
@@ -196,7 +201,8 @@ SERVING_COLUMNS = [("label", "scheduler", 1, 0), ("qps", "QPS", 1, 2), ("complet
                    ("ttft_p99", "TTFT p99 s", 1, 2), ("tbt_p50", "TBT p50 ms", 1e3, 0),
                    ("tbt_p99", "TBT p99 ms", 1e3, 0), ("tbt_max", "TBT max ms", 1e3, 0),
                    ("scheduling_delay_p50", "sched p50 s", 1, 2), ("num_stalls", "stalls", 1, 0),
-                   ("stall_time", "stall s", 1, 1), ("preemptions", "preempt", 1, 0)]
+                   ("stall_time", "stall s", 1, 1), ("preemptions", "preempt", 1, 0),
+                   ("prefill_tokens_per_request", "prefill tok/req", 1, 0)]
 
 
 def run_meta(args, target: Target, extra: dict | None = None) -> dict:
@@ -261,7 +267,8 @@ def run_serving(args, base: EngineConfig | None, default_schedulers: list[Schedu
             say(f"  {qtag}: {summary.num_completed}/{summary.num_requests} done, "
                 f"{summary.output_tokens_per_s:.1f} out tok/s, TTFT p50 {fmt(summary.ttft.p50, 1, 2)} s, "
                 f"TBT p99 {fmt(summary.tbt.p99, 1e3)} ms, max gap {fmt(summary.tbt.max, 1e3)} ms, "
-                f"{summary.num_stalls} stalls")
+                f"{summary.num_stalls} stalls, prefill {fmt(row['prefill_tokens_per_request'])} tokens/request "
+                f"({summary.cached_prompt_tokens} of {summary.prompt_tokens} prompt tokens cached)")
         del driver
         gc.collect()
     meta = run_meta(args, target, {"reference_decode_time": reference,

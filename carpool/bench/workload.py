@@ -13,6 +13,15 @@ into the serving model's context:
 One factor for both keeps each request's prompt:decode (P:D) ratio unless a clip bites; a final
 cut keeps prompt + output within `max_model_len`.
 
+Shared prefixes (for prefix caching): `system_prompt_len` puts the same tokens in front of every
+request's prompt. `turns` > 1 makes each request of the workload a *conversation*: its first turn
+arrives as above, and each later turn arrives `think_time` seconds (exponential, that mean) after
+the previous one finished, with the previous prompt + the previous answer + a new user message as
+its prompt. Each turn draws its message and answer lengths like a single request (a trace's row,
+scaled and clipped); a conversation ends early where the next turn would not fit `max_model_len`.
+Since an answer is known only once generated, a follow-up turn's spec holds only its new message
+and the index of the turn before (`parent`); drivers build the prompt when that turn finishes.
+
 Arrivals: `poisson` (exponential gaps) or `gamma` (gaps with coefficient of variation
 `burstiness`; 1 is Poisson, larger is burstier) at `qps`; `trace` (the trace's own `arrived_at`,
 rescaled to `qps` when one is given); `burst` (everything at t=0). The unit gaps are drawn once
@@ -27,7 +36,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,16 +60,37 @@ class WorkloadError(ValueError):
 
 @dataclass
 class RequestSpec:
-    """One request to replay: when it arrives (s after the start), what it sends, how much it gets."""
+    """One request to replay: when it arrives (s after the start), what it sends, how much it gets.
+    A follow-up turn of a conversation (`parent` set) arrives `arrival_time` s after its previous
+    turn finished and sends that turn's prompt and answer (`history_len` tokens in all) followed by
+    its own `prompt_token_ids`: see `followup_prompt`."""
 
     index: int
     arrival_time: float
     prompt_token_ids: list[int]
     output_len: int
+    parent: int | None = None
+    history_len: int = 0
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.history_len + len(self.prompt_token_ids)
+
+
+def followup_prompt(spec: RequestSpec, previous_turn: list[int]) -> list[int]:
+    """The exact prompt of a follow-up turn: the previous turn's prompt and answer tokens (as the
+    engine holds them, so that every token of the conversation so far repeats), then the new
+    message."""
+    return list(previous_turn) + spec.prompt_token_ids
+
+
+def split_conversations(specs: list[RequestSpec]) -> tuple[list[RequestSpec], dict[int, list[RequestSpec]]]:
+    """First turns (or single requests) sorted by arrival, and follow-ups by their parent index."""
+    followups: dict[int, list[RequestSpec]] = {}
+    for s in specs:
+        if s.parent is not None:
+            followups.setdefault(s.parent, []).append(s)
+    return sorted((s for s in specs if s.parent is None), key=lambda s: s.arrival_time), followups
 
 
 @dataclass
@@ -82,6 +112,9 @@ class WorkloadConfig:
     burstiness: float = 1.0  # gamma: coefficient of variation of the gaps
     max_model_len: int | None = None
     seed: int = 0
+    system_prompt_len: int = 0  # shared tokens in front of every (first-turn) prompt
+    turns: int = 1  # > 1: each request is a conversation of this many turns
+    think_time: float = 1.0  # mean s between a turn's answer and the next turn
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +151,15 @@ class WorkloadConfig:
             raise WorkloadError(f"trace_offset must be >= 0, got {self.trace_offset}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise WorkloadError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.system_prompt_len < 0:
+            raise WorkloadError(f"system_prompt_len must be >= 0, got {self.system_prompt_len}")
+        if self.max_model_len is not None and self.system_prompt_len + 2 > self.max_model_len:
+            raise WorkloadError(f"system_prompt_len {self.system_prompt_len} leaves no room in max_model_len "
+                                f"{self.max_model_len}")
+        if self.turns < 1:
+            raise WorkloadError(f"turns must be >= 1, got {self.turns}")
+        if not (self.think_time >= 0 and math.isfinite(self.think_time)):
+            raise WorkloadError(f"think_time must be >= 0 seconds, got {self.think_time}")
 
 
 # ---------------------------------------------------------------- traces
@@ -308,27 +350,54 @@ class PromptSource:
 
 
 def build_workload(cfg: WorkloadConfig, prompts: PromptSource) -> list[RequestSpec]:
-    """The requests of `cfg`, sorted by arrival. Same config and prompt source, same requests."""
+    """The requests of `cfg`: single requests and first turns sorted by arrival (indices by
+    conversation), then follow-up turns (indices after those). Same config and prompt source,
+    same requests."""
     cfg.validate()
     trace = load_trace(cfg.trace) if cfg.trace and (cfg.lengths == "trace" or cfg.arrivals == "trace") else None
-    seqs = np.random.SeedSequence(cfg.seed).spawn(4)
+    seqs = np.random.SeedSequence(cfg.seed).spawn(6)  # spawn(k)[:4] == spawn(4): older workloads unchanged
+    n, turns, limit = cfg.num_requests, cfg.turns, cfg.max_model_len
+    # One row of lengths per turn, conversation by conversation; the first n arrivals start them.
+    rows_cfg = cfg if turns == 1 else replace(cfg, num_requests=n * turns)
     prompt_lens, output_lens, arrivals = make_lengths_and_arrivals(
-        cfg, trace, tuple(np.random.default_rng(s) for s in seqs[:3]))
-    prompt_rng = np.random.default_rng(seqs[3])
-    specs = [RequestSpec(i, float(a), prompts.sample(prompt_rng, int(p)), int(d))
-             for i, (p, d, a) in enumerate(zip(prompt_lens, output_lens, arrivals))]
-    return sorted(specs, key=lambda s: (s.arrival_time, s.index))
+        rows_cfg, trace, tuple(np.random.default_rng(s) for s in seqs[:3]))
+    prompt_rng, think_rng = np.random.default_rng(seqs[3]), np.random.default_rng(seqs[4])
+    system = prompts.sample(np.random.default_rng(seqs[5]), cfg.system_prompt_len) if cfg.system_prompt_len else []
+    if system and limit is not None:  # the system prompt, a message and an answer fit
+        output_lens = np.minimum(output_lens, limit - len(system) - 1)
+        prompt_lens = np.clip(np.minimum(prompt_lens, limit - len(system) - output_lens), 1, None)
+    firsts: list[RequestSpec] = []
+    followups: list[RequestSpec] = []
+    for c in range(n):
+        previous = None
+        for t in range(turns):
+            row = c * turns + t
+            message = prompts.sample(prompt_rng, int(prompt_lens[row]))
+            if previous is None:
+                previous = RequestSpec(c, float(arrivals[c]), system + message, int(output_lens[row]))
+                firsts.append(previous)
+                continue
+            think = float(think_rng.exponential(cfg.think_time)) if cfg.think_time > 0 else 0.0
+            history = previous.prompt_len + previous.output_len
+            if limit is not None and history + len(message) + int(output_lens[row]) > limit:
+                break  # the conversation has filled the context
+            previous = RequestSpec(n + len(followups), think, message, int(output_lens[row]),
+                                   parent=previous.index, history_len=history)
+            followups.append(previous)
+    return sorted(firsts, key=lambda s: (s.arrival_time, s.index)) + followups
 
 
 def describe(specs: list[RequestSpec]) -> dict:
-    """Length and rate statistics of a workload, for reports."""
+    """Length and rate statistics of a workload, for reports. The rate is that of first turns
+    (conversations) when the workload has follow-ups."""
     p = np.array([s.prompt_len for s in specs])
     d = np.array([s.output_len for s in specs])
-    span = specs[-1].arrival_time - specs[0].arrival_time if specs else 0.0
+    firsts = [s.arrival_time for s in specs if s.parent is None]
+    span = max(firsts) - min(firsts) if firsts else 0.0
     q = lambda a, x: float(np.percentile(a, x))
-    return {"num_requests": len(specs),
+    return {"num_requests": len(specs), "num_conversations": len(firsts),
             "prompt_len": {"mean": float(p.mean()), "p50": q(p, 50), "p90": q(p, 90), "max": int(p.max())},
             "output_len": {"mean": float(d.mean()), "p50": q(d, 50), "p90": q(d, 90), "max": int(d.max())},
             "pd_ratio_median": float(np.median(p / d)),
             "arrival_span_s": span,
-            "offered_qps": (len(specs) - 1) / span if span > 0 else None}
+            "offered_qps": (len(firsts) - 1) / span if span > 0 else None}

@@ -4,6 +4,12 @@
 the per-iteration token budget, and preemption by recompute. A policy is a small subclass that
 only decides the order and size of grants in `schedule()`.
 
+Prefix caching lives in the block manager; the scheduler only asks it, when a waiting request
+comes up for admission, which cached blocks hold the start of its tokens (`lookup`): the request
+takes them and its `num_computed_tokens` starts after them, so every policy grants only the rest,
+whether it chunks or not. A preempted request looks its own blocks up again when readmitted. In
+`commit`, blocks that the batch filled are registered with the cache.
+
 With pipeline parallelism several micro-batches are in flight at once. A request whose micro-batch
 has not returned is `in_flight`: every primitive below skips it (no grant, never a preemption
 victim) until `commit` brings it back, so policies need no pipeline-specific code.
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from carpool.core.block_manager import BlockManager
@@ -81,6 +87,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.in_flight: set[Request] = set()  # running, but their micro-batch has not returned
         self.num_preemptions = 0
+        # Prefix cache, in tokens, over first admissions: prompt tokens looked up and found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.clock: Callable[[], float] = time.monotonic  # the simulator swaps in simulated time
 
     # ------------------------------------------------------------ queue management
@@ -109,6 +118,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += n
+            self.block_manager.cache_blocks(request, request.num_computed_tokens - n, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
                 ready.append(request)
         if self.in_flight:
@@ -156,15 +166,27 @@ class Scheduler:
         batch.add(request, num_tokens)
         return True
 
-    def admit(self, request: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Move the oldest waiting request to running with a first grant, if blocks allow.
-        Nothing is admitted in a step that had to preempt: memory is short, and a victim taken
-        straight back would only thrash."""
+    def lookup(self, request: Request) -> tuple[list[int], int]:
+        """For a waiting request: the cached blocks it would start from (see BlockManager
+        .cached_prefix), and how many of its tokens would still need computing."""
+        cached = self.block_manager.cached_prefix(request)
+        return cached, request.num_uncomputed_tokens - len(cached) * self.block_manager.block_size
+
+    def admit(self, request: Request, num_tokens: int, batch: ScheduledBatch, cached: Sequence[int] = ()) -> bool:
+        """Move the oldest waiting request to running with a first grant of `num_tokens` after
+        its `cached` prefix blocks (from `lookup`), if blocks allow. Nothing is admitted in a step
+        that had to preempt: memory is short, and a victim taken straight back would only thrash."""
         if len(self.running) >= self.max_num_seqs or batch.preempted:
             return False
-        reserve = max(request.num_computed_tokens + num_tokens, self.tokens_to_reserve(request, num_tokens))
-        if not self.block_manager.allocate(request, reserve):
+        start = request.num_computed_tokens + len(cached) * self.block_manager.block_size
+        reserve = max(start + num_tokens, self.tokens_to_reserve(request, num_tokens))
+        if not self.block_manager.allocate(request, reserve, cached):
             return False
+        request.num_computed_tokens = start
+        if request.first_scheduled_time is None and self.block_manager.enable_prefix_caching:
+            request.num_cached_tokens = start
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += start
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
@@ -206,7 +228,8 @@ class Scheduler:
         """Admit waiting prompts FCFS; the last one admitted may get only a first chunk."""
         while self.waiting and self.budget_left(batch) > 0:
             request = self.waiting[0]
-            if not self.admit(request, min(request.num_uncomputed_tokens, self.budget_left(batch)), batch):
+            cached, uncomputed = self.lookup(request)
+            if not self.admit(request, min(uncomputed, self.budget_left(batch)), batch, cached):
                 break
 
     def admit_whole_prompts(self, batch: ScheduledBatch) -> None:
@@ -214,10 +237,10 @@ class Scheduler:
         the budget still goes alone into an iteration without other prefills (else it never runs)."""
         while self.waiting:
             request = self.waiting[0]
-            n = request.num_uncomputed_tokens
+            cached, n = self.lookup(request)
             if n > self.budget_left(batch) and batch.num_prefill_tokens > 0:
                 break
-            if not self.admit(request, n, batch):
+            if not self.admit(request, n, batch, cached):
                 break
 
     def schedule(self) -> ScheduledBatch:

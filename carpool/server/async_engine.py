@@ -95,9 +95,11 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     _parts: list[str] = field(default_factory=list, repr=False)
 
     def merge(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
         self._parts.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)

@@ -68,8 +68,10 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                       "stop_reason": d.stop_reason if d.finished else None}
             return dict(base, choices=[choice], **extra)
 
-        usage_chunk = (lambda n: dict(base, choices=[], usage=usage(p.prompt_tokens, n))) if extra else None
-        return ctx.stream(group, p.request_id, first, chunk, usage_chunk)
+        def usage_chunk(n: int, cached: dict[int, int]) -> dict:
+            return dict(base, choices=[], usage=usage(p.prompt_tokens, n, p.cached_tokens(cached)))
+
+        return ctx.stream(group, p.request_id, first, chunk, usage_chunk if extra else None)
 
     finals = await ctx.collect(group, raw, p.request_id)
     choices = [{"index": i, "message": {"role": "assistant", "content": echo + c.text},
@@ -78,4 +80,5 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                for i, c in enumerate(finals)]
     return JSONResponse({"id": p.request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
                          "choices": choices,
-                         "usage": usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals))})
+                         "usage": usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals),
+                                        p.cached_tokens({i: c.num_cached_tokens for i, c in enumerate(finals)}))})

@@ -88,8 +88,10 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
                       "stop_reason": d.stop_reason if d.finished else None}
             return dict(base, choices=[choice], **extra)
 
-        usage_chunk = (lambda n: dict(base, choices=[], usage=usage(p.prompt_tokens, n))) if extra else None
-        return ctx.stream(group, p.request_id, [], chunk, usage_chunk)
+        def usage_chunk(n: int, cached: dict[int, int]) -> dict:
+            return dict(base, choices=[], usage=usage(p.prompt_tokens, n, p.cached_tokens(cached)))
+
+        return ctx.stream(group, p.request_id, [], chunk, usage_chunk if extra else None)
 
     finals = await ctx.collect(group, raw, p.request_id)
     choices = []
@@ -101,4 +103,5 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
                         "logprobs": logprobs_body(ctx, ids, lps, 0) if want_lp else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse(dict(base, choices=choices,
-                             usage=usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals))))
+                             usage=usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals),
+                                         p.cached_tokens({i: c.num_cached_tokens for i, c in enumerate(finals)}))))

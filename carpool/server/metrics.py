@@ -78,6 +78,9 @@ class ServerMetrics:
         self.gpu_cache_usage = gauge("gpu_cache_usage_perc",
                                      "Same as kv_cache_usage_perc (older vLLM name, for old dashboards).")
         self.num_preemptions = counter("num_preemptions", "Cumulative preemptions (recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache (at first scheduling).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (counted at first token).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.generation_stalls = counter(
@@ -109,6 +112,7 @@ class ServerMetrics:
                                        ["num_gpu_blocks", "block_size"], registry=r)
         self._durations: deque[float] = deque(maxlen=STALL_WINDOW)
         self._seen_preemptions: int | None = None
+        self._seen_prefix = (0, 0)  # scheduler's prefix-cache queries and hits already counted
 
     # ------------------------------------------------------------ engine thread
     def set_cache_config(self, num_blocks: int, block_size: int) -> None:
@@ -127,6 +131,10 @@ class ServerMetrics:
         if total > self._seen_preemptions:
             self.num_preemptions.inc(total - self._seen_preemptions)
         self._seen_preemptions = total
+        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+        self.prefix_cache_queries.inc(max(0, queries - self._seen_prefix[0]))
+        self.prefix_cache_hits.inc(max(0, hits - self._seen_prefix[1]))
+        self._seen_prefix = (queries, hits)
 
     def stall_threshold(self) -> float | None:
         if len(self._durations) < MIN_HISTORY:

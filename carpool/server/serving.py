@@ -50,9 +50,11 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ClientDisconnected(Exception):
@@ -76,6 +78,11 @@ class Prepared:
     def prompt_of(self, choice: int) -> tuple[str | None, list[int]]:
         return self.prompts[choice // self.req.n]
 
+    def cached_tokens(self, by_choice: dict[int, int]) -> int:
+        """Prompt tokens found in the prefix cache, counted once per prompt (its first choice's),
+        as `prompt_tokens` counts each prompt once."""
+        return sum(by_choice.get(k * self.req.n, 0) for k in range(len(self.prompts)))
+
 
 @dataclass
 class Choice:
@@ -86,8 +93,10 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     def add(self, d: Delta) -> None:
+        self.num_cached_tokens = d.num_cached_tokens
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -270,14 +279,14 @@ class ServingContext:
 
     def stream(self, group: RequestGroup, request_id: str, first: list[dict],
                chunk: Callable[[int, Delta], dict | None],
-               usage_chunk: Callable[[int], dict] | None) -> Response:
+               usage_chunk: Callable[[int, dict[int, int]], dict] | None) -> Response:
         """Server-sent events: the `first` chunks, then `chunk(index, delta)` for every delta
-        (None: nothing to send yet), then `usage_chunk(completion tokens)` if given
-        (include_usage), then `[DONE]`. An engine failure becomes an error event; the group
-        is aborted whenever the stream ends, however it ends."""
+        (None: nothing to send yet), then `usage_chunk(completion tokens, cached prompt tokens
+        by choice)` if given (include_usage), then `[DONE]`. An engine failure becomes an error
+        event; the group is aborted whenever the stream ends, however it ends."""
 
         async def events() -> AsyncIterator[str]:
-            completion_tokens = 0
+            completion_tokens, cached = 0, {}
             try:
                 for obj in first:
                     yield sse(obj)
@@ -286,12 +295,13 @@ class ServingContext:
                         yield sse(error_body(ENGINE_FAILED.format(request_id), 500, code="engine_error"))
                         break
                     completion_tokens += len(delta.token_ids)
+                    cached[index] = delta.num_cached_tokens
                     obj = chunk(index, delta)
                     if obj is not None:
                         yield sse(obj)
                 else:
                     if usage_chunk is not None:
-                        yield sse(usage_chunk(completion_tokens))
+                        yield sse(usage_chunk(completion_tokens, cached))
             except EngineDeadError as exc:
                 yield sse(error_body(str(exc), 500, code="engine_dead"))
             yield "data: [DONE]\n\n"

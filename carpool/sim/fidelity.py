@@ -23,7 +23,7 @@ from carpool.bench.options import SchedulerSpec
 from carpool.bench.workload import PromptSource, build_workload
 from carpool.engine import LLMEngine
 from carpool.sim.cost_model import BatchShape, ProfiledCostModel
-from carpool.sim.run import LENGTHS_ONLY, iterations, reference_decode_time, timelines, workload_config
+from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
 
 
@@ -59,11 +59,12 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
     errors = np.abs(signed)
     with_prefill = np.array([bool(sh.prefills) for sh in shapes[-len(steps):]])
 
-    sim_specs = build_workload(workload_config(args, args.qps), LENGTHS_ONLY)
+    # The same requests, token ids included, so that prefix-cache hits are the same too.
     cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget,
                         max_num_seqs=args.max_num_seqs, block_size=engine.block_manager.block_size,
-                        num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
-    sim = simulate(sim_specs, cfg, cost)
+                        num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+                        enable_prefix_caching=engine.block_manager.enable_prefix_caching)
+    sim = simulate(specs, cfg, cost)
     ref = reference_decode_time(cost)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim_summary, _ = summarize(timelines(sim), iterations(sim), decode_time=ref)

@@ -20,13 +20,17 @@ from carpool.sim.cost_model import BatchShape, CostModel, ProfiledCostModel
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 from carpool.sim.simulator import ReplicaConfig, SimResult, simulate
 
-LENGTHS_ONLY = PromptSource(word_ids=[0])  # a simulation needs prompt lengths, not tokens
+# Token ids for simulated prompts: random over a large vocabulary, so that prompts share a
+# prefix only where the workload says so (a system prompt, a conversation) and simulated
+# prefix-cache hits are the workload's, not accidents of the ids.
+SIM_PROMPTS = PromptSource(word_ids=list(range(1, 65_536)))
 
 
 def timelines(result: SimResult) -> list[RequestTimeline]:
     return [RequestTimeline(r.request_id, r.arrival_time, list(r.token_times), r.num_prompt_tokens,
                             r.first_scheduled_time, r.finished_time, r.num_preemptions,
-                            r.sampling_params.max_tokens) for r in result.requests]
+                            r.sampling_params.max_tokens, num_cached_tokens=r.num_cached_tokens)
+            for r in result.requests]
 
 
 def iterations(result: SimResult) -> list[IterationRecord]:
@@ -57,6 +61,15 @@ def pipeline_report(result: SimResult) -> dict:
             "request_pipeline_wait_p50_s": float(np.median(waits)) if waits else None}
 
 
+def prefix_cache_report(summary) -> dict:
+    """What the prefix cache saved: prompt tokens found cached, prefill tokens computed."""
+    prefill = summary.iterations.get("prefill_tokens", 0)
+    n = summary.num_requests
+    return {"prompt_tokens": summary.prompt_tokens, "cached_prompt_tokens": summary.cached_prompt_tokens,
+            "hit_rate": summary.cached_prompt_tokens / summary.prompt_tokens if summary.prompt_tokens else 0.0,
+            "prefill_tokens": prefill, "prefill_tokens_per_request": prefill / n if n else 0.0}
+
+
 def build_cost_model(args) -> tuple[CostModel, list[str]]:
     if args.cost_model == "profile":
         return ProfiledCostModel.load(args.profile, num_stages=args.pp), [f"cost model: profile {args.profile}"]
@@ -81,7 +94,7 @@ def workload_config(args, qps: float | None) -> WorkloadConfig:
         min_output_len=args.output_range[0], max_output_len=args.output_range[1], zipf_theta=args.zipf_theta,
         trace=args.trace, length_scale=args.length_scale, trace_offset=args.trace_offset,
         arrivals=args.arrivals, qps=qps, burstiness=args.burstiness, max_model_len=args.max_model_len,
-        seed=args.seed)
+        seed=args.seed, system_prompt_len=args.system_prompt_len, turns=args.turns, think_time=args.think_time)
 
 
 def run_simulate(args) -> dict:
@@ -94,9 +107,10 @@ def run_simulate(args) -> dict:
     report: dict = {"notes": notes, "reference_decode_s": ref, "schedulers": {}}
 
     def run_once(scheduler: str, budget: int, qps: float | None) -> tuple[SimResult, list, list]:
-        specs = build_workload(workload_config(args, qps), LENGTHS_ONLY)
+        specs = build_workload(workload_config(args, qps), SIM_PROMPTS)
         cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
-                            block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len)
+                            block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                            enable_prefix_caching=args.enable_prefix_caching)
         result = simulate(specs, cfg, cost, num_replicas=args.replicas)
         return result, timelines(result), iterations(result)
 
@@ -113,9 +127,12 @@ def run_simulate(args) -> dict:
         (folder / "trace.json").write_text(json.dumps(chrome_trace(result)))
         entry = {"summary": summary.to_dict(), "pipeline": pipeline_report(result),
                  "simulated_in_s": time.perf_counter() - t0}
+        entry["prefix_cache"] = prefix_cache_report(summary)
         print(f"{spec.label}: {len(tl)} requests in {entry['simulated_in_s']:.2f} s wall; "
               f"TTFT p50 {summary.ttft.p50:.3f} s, TBT p99 {summary.tbt.p99:.4f} s, "
-              f"bubble fraction {entry['pipeline']['bubble_fraction']:.3f}")
+              f"bubble fraction {entry['pipeline']['bubble_fraction']:.3f}, "
+              f"prefill tokens computed per request {entry['prefix_cache']['prefill_tokens_per_request']:.0f} "
+              f"({entry['prefix_cache']['cached_prompt_tokens']} prompt tokens from the prefix cache)")
         for slo_name in [s for s in args.capacity or [] if spec.slo in (None, s)]:
             slo = parse_slo(slo_name, ref)
 
@@ -140,7 +157,7 @@ def run_simulate(args) -> dict:
         plots.token_timeline(runs, out / "token_timeline.png", stall_threshold=5 * ref)
         if capacities:
             plots.capacity_bars(capacities, out / "capacity.png", title="Simulated capacity (QPS)")
-    report["workload"] = describe(build_workload(workload_config(args, args.qps), LENGTHS_ONLY))
+    report["workload"] = describe(build_workload(workload_config(args, args.qps), SIM_PROMPTS))
     report["args"] = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
                       for k, v in vars(args).items() if k != "func"}
     (out / "simulation.json").write_text(json.dumps(report, indent=2, default=str))
@@ -149,6 +166,8 @@ def run_simulate(args) -> dict:
 
 
 def add_simulate_args(p) -> None:
+    import argparse
+
     from carpool.bench.options import add_workload_args, positive_float, positive_int, scheduler_list
 
     g = p.add_argument_group("deployment")
@@ -173,6 +192,8 @@ def add_simulate_args(p) -> None:
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-blocks", type=positive_int, default=16384, help="KV blocks per replica")
     g.add_argument("--max-model-len", type=positive_int, default=8192)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the replicas' block managers cache prompt prefixes, as the engine's do (default: on)")
     g = p.add_argument_group("run")
     g.add_argument("--qps", type=positive_float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,11 @@ timestamps, in the same fields the engine fills. Pipeline stages are servers: a 
 enters stage s when stage s-1 has finished it and stage s is free, up to `num_stages`
 micro-batches are in flight, and a request in flight is not scheduled again until its
 micro-batch leaves the last stage. Bubbles are not modelled; they emerge from uneven stage times.
+
+Prefix caching runs for real too: requests carry token ids (a workload's, or for bare lengths
+ids unique to the request), generated tokens are 0s, and follow-up turns of a conversation
+arrive after their previous turn finished, with its prompt and answer in front; so hit rates,
+and the prefill the cache saves, are the block manager's own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
@@ -39,6 +45,7 @@ class ReplicaConfig:
     block_size: int = 16
     num_blocks: int = 4096
     max_model_len: int = 8192
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -81,7 +88,7 @@ class Replica:
         self.index = index
         self.config = config
         self.cost = cost_model
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler: Scheduler = make_scheduler(config.scheduler, self.block_manager,
                                                    config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.max_model_len)
@@ -119,20 +126,32 @@ class Replica:
         self.in_flight.append(mb)
         return mb
 
-    def complete(self, mb: MicroBatch) -> None:
-        """The micro-batch left the last stage: its requests advance and ready ones get a token."""
+    def complete(self, mb: MicroBatch) -> list[Request]:
+        """The micro-batch left the last stage: its requests advance and ready ones get a token.
+        Returns the requests that finished."""
         self.in_flight.remove(mb)
         now = mb.end
+        finished = []
         for r in self.scheduler.commit(mb.batch):
             r.append_token(0, now)
             if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= self.config.max_model_len:
                 self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+                finished.append(r)
+        return finished
+
+
+def prompt_ids(i: int, w: Any) -> list[int]:
+    """A workload item's prompt: its token ids if it has them, else ids no other request shares."""
+    ids = getattr(w, "prompt_token_ids", None)
+    return list(ids) if ids is not None else [-(i + 1)] * w.prompt_len
 
 
 def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
              num_replicas: int = 1, max_events: int = 50_000_000) -> SimResult:
-    """Replay `workload` (sorted by arrival) on `num_replicas` replicas; requests go to the
-    replica with the fewest outstanding requests (ties: lowest index)."""
+    """Replay `workload` on `num_replicas` replicas; requests go to the replica with the fewest
+    outstanding requests (ties: lowest index). Items with a `parent` (a workload index, see
+    `carpool.bench.workload.RequestSpec`) are follow-up turns: they arrive `arrival_time` after
+    that request finished, its prompt and output in front of their own tokens."""
     for i, w in enumerate(workload):
         if w.prompt_len < 1 or w.output_len < 1:
             raise ValueError(f"request {i}: prompt and output lengths must be >= 1, got {w}")
@@ -142,25 +161,36 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
     clock_now = [0.0]
     clock = lambda: clock_now[0]  # noqa: E731
     replicas = [Replica(i, config, cost_model, clock) for i in range(num_replicas)]
-    arrivals = sorted(enumerate(workload), key=lambda p: (p[1].arrival_time, p[0]))
+    position = {getattr(w, "index", i): i for i, w in enumerate(workload)}
+    followups: dict[int, list[int]] = {}
+    for i, w in enumerate(workload):
+        if getattr(w, "parent", None) is not None:
+            followups.setdefault(position[w.parent], []).append(i)
+    # (arrival, workload position, prompt ids): first turns now, follow-ups once their turn is done
+    arrivals = sorted((w.arrival_time, i, None) for i, w in enumerate(workload)
+                      if getattr(w, "parent", None) is None)
+    heapq.heapify(arrivals)
+    position_of: dict[str, int] = {}
     requests: list[Request] = []
     done: list[tuple[float, int, MicroBatch]] = []
     seq = itertools.count()
     micro_batches: list[MicroBatch] = []
-    next_arrival = 0
     now = 0.0
     for _ in range(max_events):
         clock_now[0] = now
-        while next_arrival < len(arrivals) and arrivals[next_arrival][1].arrival_time <= now:
-            i, w = arrivals[next_arrival]
-            next_arrival += 1
-            r = Request(f"sim-{i}", [0] * w.prompt_len,
-                        SamplingParams(max_tokens=w.output_len, ignore_eos=True), arrival_time=w.arrival_time)
+        while arrivals and arrivals[0][0] <= now:
+            at, i, history = heapq.heappop(arrivals)
+            w = workload[i]
+            ids = prompt_ids(i, w) if history is None else history + list(w.prompt_token_ids)
+            r = Request(f"sim-{i}", ids, SamplingParams(max_tokens=w.output_len, ignore_eos=True), arrival_time=at)
             requests.append(r)
+            position_of[r.request_id] = i
             min(replicas, key=lambda rep: (rep.outstanding, rep.index)).scheduler.add_request(r)
         while done and done[0][0] <= now:
             _, _, mb = heapq.heappop(done)
-            replicas[mb.replica].complete(mb)
+            for r in replicas[mb.replica].complete(mb):
+                for j in followups.get(position_of[r.request_id], ()):
+                    heapq.heappush(arrivals, (r.finished_time + workload[j].arrival_time, j, list(r.token_ids)))
         for rep in replicas:
             while rep.can_launch(now):
                 mb = rep.launch(now)
@@ -168,7 +198,7 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
                     break
                 micro_batches.append(mb)
                 heapq.heappush(done, (mb.end, next(seq), mb))
-        candidates = [arrivals[next_arrival][1].arrival_time] if next_arrival < len(arrivals) else []
+        candidates = [arrivals[0][0]] if arrivals else []
         candidates += [done[0][0]] if done else []
         candidates += [rep.stage_free[0] for rep in replicas
                        if rep.stage_free[0] > now and len(rep.in_flight) < rep.num_stages
@@ -179,7 +209,7 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
     else:
         raise RuntimeError("simulation did not finish within max_events")
 
-    start = min((w.arrival_time for w in workload), default=0.0)
+    start = min((r.arrival_time for r in requests), default=0.0)
     end = max((mb.end for mb in micro_batches), default=start)
     waits: dict[str, float] = {}
     for mb in micro_batches:

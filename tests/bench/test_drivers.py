@@ -85,6 +85,46 @@ def test_in_process_bad_request_is_recorded_not_fatal(engine, prompts):
     assert t0.completed and t1.error and "prompt" in t1.error
 
 
+def conversations(prompts, **kw):
+    cfg = WorkloadConfig(num_requests=2, lengths="uniform", min_prompt_len=8, max_prompt_len=24, min_output_len=3,
+                         max_output_len=6, qps=20.0, turns=3, think_time=0.05, system_prompt_len=32, seed=1, **kw)
+    return build_workload(cfg, prompts)
+
+
+def test_in_process_conversations_send_the_exact_history(engine, prompts, monkeypatch):
+    specs = conversations(prompts)
+    sent = {}
+    real_add = engine.add_request
+
+    def recording_add(prompt, sp, request_id=None, arrival_time=None):
+        r = real_add(prompt, sp, request_id=request_id, arrival_time=arrival_time)
+        sent[int(request_id.rsplit("-", 1)[1])] = r
+        return r
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    driver = InProcessDriver(engine)
+    result = driver.run(specs)
+    assert len(result.timelines) == 6 and all(t.completed for t in result.timelines)
+    cached = {t.request_id: t.num_cached_tokens for t in result.timelines}
+    for s in specs:
+        r = sent[s.index]
+        assert cached[str(s.index)] == r.num_cached_tokens
+        if s.parent is None:
+            continue
+        prev = sent[s.parent]
+        assert r.prompt_token_ids == prev.token_ids + s.prompt_token_ids  # every token of the history
+        assert r.arrival_time == pytest.approx(prev.finished_time + s.arrival_time)
+        assert r.num_cached_tokens == (prev.num_tokens - 1) // 16 * 16  # all of it that was computed
+    summary, _ = summarize(result.timelines, result.iterations)
+    assert summary.cached_prompt_tokens == sum(cached.values()) > 0
+    prefill = sum(it.num_prefill_tokens for it in result.iterations)
+    assert prefill == summary.prompt_tokens - summary.cached_prompt_tokens
+    # Every run starts with an empty prefix cache: a rerun's first request finds nothing cached.
+    again = {t.request_id: t.num_cached_tokens for t in driver.run(specs).timelines}
+    assert again[str(specs[0].index)] == 0
+    assert all(again[str(s.index)] == cached[str(s.index)] for s in specs if s.parent is not None)
+
+
 def test_count_tokens():
     assert count_tokens({"text": "ab", "logprobs": {"tokens": ["a", "b"]}}) == 2
     assert count_tokens({"text": "", "logprobs": {"tokens": ["\ufffd"]}}) == 1

@@ -141,7 +141,8 @@ def test_bad_trace_references(tmp_path):
     (dict(min_prompt_len=10, max_prompt_len=5), "min_prompt_len"), (dict(output_len=0), "output_len"),
     (dict(burstiness=0.0), "burstiness"), (dict(length_scale=-1.0), "length_scale"),
     (dict(lengths="trace"), "needs a trace"), (dict(qps=None), "need a qps"),
-    (dict(zipf_theta=0.0), "zipf_theta"),
+    (dict(zipf_theta=0.0), "zipf_theta"), (dict(turns=0), "turns"), (dict(think_time=-1.0), "think_time"),
+    (dict(system_prompt_len=-1), "system_prompt_len"), (dict(system_prompt_len=99, max_model_len=100), "no room"),
 ])
 def test_bad_config_values(kw, message):
     with pytest.raises(WorkloadError, match=message):
@@ -164,3 +165,43 @@ def test_prompt_source_from_tokenizer_round_trips(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(WorkloadError, match="no tokens"):
         PromptSource.from_tokenizer(tok, str(tmp_path / "empty.txt"))
+
+
+def test_shared_system_prompt():
+    plain = build(lengths="uniform", num_requests=20, seed=4)
+    shared = build(lengths="uniform", num_requests=20, seed=4, system_prompt_len=50)
+    system = shared[0].prompt_token_ids[:50]
+    for a, b in zip(plain, shared):  # the same requests, each behind the same 50 tokens
+        assert b.prompt_token_ids == system + a.prompt_token_ids and b.prompt_len == a.prompt_len + 50
+    capped = build(lengths="uniform", num_requests=20, seed=4, system_prompt_len=50, max_model_len=300)
+    assert all(s.prompt_token_ids[:50] == system and s.prompt_len + s.output_len <= 300 for s in capped)
+
+
+def test_conversations():
+    kw = dict(lengths="trace", trace="splitwise", length_scale=0.1, num_requests=6, turns=4, think_time=2.0,
+              system_prompt_len=16, max_model_len=4096, seed=5)
+    specs = build(**kw)
+    assert key(specs) == key(build(**kw))
+    firsts = [s for s in specs if s.parent is None]
+    assert len(firsts) == 6
+    assert sorted(s.index for s in specs) == list(range(len(specs)))
+    assert [s.arrival_time for s in firsts] == sorted(s.arrival_time for s in firsts)
+    by_index = {s.index: s for s in specs}
+    for s in specs:
+        if s.parent is None:
+            assert s.history_len == 0 and s.prompt_token_ids[:16] == firsts[0].prompt_token_ids[:16]
+            continue
+        prev = by_index[s.parent]
+        assert s.history_len == prev.prompt_len + prev.output_len
+        assert s.prompt_len == s.history_len + len(s.prompt_token_ids) <= 4096 - s.output_len
+        assert s.arrival_time >= 0  # think time after the previous turn
+    assert len(specs) == 24  # nothing was cut at 4096 tokens
+    thinks = [s.arrival_time for s in specs if s.parent is not None]
+    assert np.mean(thinks) == pytest.approx(2.0, rel=0.6)
+    # More conversations extend fewer; a tight context ends conversations early.
+    more = build(**{**kw, "num_requests": 9})
+    assert key([s for s in more if s.parent is None][:6]) == key(firsts)
+    short = build(**{**kw, "max_model_len": 300})
+    assert 6 <= len(short) < 24 and all(s.prompt_len + s.output_len <= 300 for s in short)
+    d = describe(specs)
+    assert d["num_requests"] == 24 and d["num_conversations"] == 6

@@ -17,12 +17,12 @@ def make_request(rid: str, prompt_len: int = 4) -> Request:
 
 
 def check_consistent(bm: BlockManager, live: list[Request]) -> None:
-    owners = bm.owners()
+    owners = bm.holders()
     owned = [b for r in live for b in r.block_ids]
     # No block in two tables, nor twice in one.
     assert len(owned) == len(set(owned))
     # The manager's view and the requests' views agree exactly.
-    assert owners == {b: r.request_id for r in live for b in r.block_ids}
+    assert owners == {b: {r.request_id} for r in live for b in r.block_ids}
     free = list(bm._free)
     assert len(free) == len(set(free))
     assert not set(free) & set(owners)
@@ -49,7 +49,7 @@ def test_allocate_free_round_trip():
     assert len(r.block_ids) == 3
     assert bm.num_free_blocks == 5
     assert bm.usage == pytest.approx(3 / 8)
-    assert bm.owners() == {b: "a" for b in r.block_ids}
+    assert bm.holders() == {b: {"a"} for b in r.block_ids}
     # Growing within the last block needs nothing more.
     assert bm.blocks_needed(r, 12) == 0
     assert bm.allocate(r, 12)
@@ -63,7 +63,7 @@ def test_allocate_free_round_trip():
     assert bm.allocate(r, 1) and len(r.block_ids) == 4
     bm.free(r)
     assert r.block_ids == []
-    assert bm.num_free_blocks == 8 and bm.owners() == {}
+    assert bm.num_free_blocks == 8 and bm.holders() == {}
     # Freeing an empty table is a no-op.
     bm.free(r)
     assert bm.num_free_blocks == 8
@@ -183,7 +183,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.free(r)
             self.requests.clear()
             assert self.bm.num_free_blocks == self.bm.num_blocks
-            assert self.bm.owners() == {}
+            assert self.bm.holders() == {}
             assert sorted(self.bm._free) == list(range(self.bm.num_blocks))
 
 

@@ -160,11 +160,11 @@ class Harness:
             if r.is_finished:
                 assert r.block_ids == []
                 assert r not in sched.running and r not in sched.waiting
-        owners = bm.owners()
+        owners = bm.holders()
         live = running + waiting
         owned = [b for r in live for b in r.block_ids]
         assert len(owned) == len(set(owned)), "block owned by two live requests"
-        assert owners == {b: r.request_id for r in live for b in r.block_ids}
+        assert owners == {b: {r.request_id} for r in live for b in r.block_ids}
         assert bm.num_free_blocks + len(owners) == bm.num_blocks
         for r in running:
             # A running request holds blocks for its computed tokens (and not wildly more).
@@ -175,7 +175,7 @@ class Harness:
         sched, bm = self.sched, self.bm
         assert not sched.has_unfinished_requests()
         assert bm.num_free_blocks == bm.num_blocks
-        assert bm.owners() == {}
+        assert bm.holders() == {}
         for r in self.requests:
             assert r.is_finished
             assert r.block_ids == []

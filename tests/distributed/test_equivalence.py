@@ -106,6 +106,21 @@ def test_abort_while_in_flight(parallel_engine, tiny_llama, reference):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+SHARED = [PROMPTS[6][:100] + p[:20] for p in PROMPTS[:4]] + [PROMPTS[6][:64]]  # a 100-token shared prefix
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_prefix_cache_under_parallelism(parallel_engine, tiny_llama, single, tp, pp):
+    """The driver's block manager shares cached blocks; workers only see the block tables."""
+    with scheduler_config(single, budget=48, prefix_caching=False):
+        expected = run_greedy(single, SHARED, MAX_TOKENS)
+    engine = parallel_engine(model=tiny_llama, tensor_parallel_size=tp, pipeline_parallel_size=pp, **TINY)
+    with scheduler_config(engine, budget=48, prefix_caching=True) as e:
+        assert run_greedy(e, SHARED[:1], MAX_TOKENS) == expected[:1]
+        assert run_greedy(e, SHARED, MAX_TOKENS) == expected
+        assert e.scheduler.prefix_cache_hits >= 4 * 96 + 48
+
+
 @pytest.mark.parametrize("tp,pp", [(3, 1), (1, 3)])
 def test_embedded_model_matches_single_process(parallel_engine, engine_fp32, tp, pp):
     """SmolLM2: 9 heads / 3 KV heads, 30 layers, vocabulary 49152: all divide by 3."""

@@ -263,6 +263,33 @@ def test_metrics(served, client):
     assert "text/plain" in httpx.get(served.url + "/metrics").headers["content-type"]
 
 
+def test_prefix_cache_in_usage_and_metrics(served, client):
+    """A repeated prompt prefix shows in usage.prompt_tokens_details.cached_tokens (streamed or
+    not, completions and chat) and in the prefix-cache counters."""
+    queries = served.metric("carpool:prefix_cache_queries_total")
+    hits = served.metric("carpool:prefix_cache_hits_total")
+    ids = [1000 + (i * 37) % 5000 for i in range(70)]  # 70 tokens: 4 full blocks before the last token
+    first = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=ids + [7, 8], max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    assert served.metric("carpool:prefix_cache_queries_total") - queries == 70 + 70 + 72
+    assert served.metric("carpool:prefix_cache_hits_total") - hits == 128
+    system = {"role": "system", "content": "You answer in one word. " + "Carpools share rides. " * 12}
+    chat = [client.chat.completions.create(model=MODEL_NAME, messages=[system, {"role": "user", "content": q}],
+                                           max_tokens=2, temperature=0) for q in ("Cars?", "Bikes?")]
+    assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert chat[1].usage.prompt_tokens_details.cached_tokens >= 48
+    streamed = list(client.chat.completions.create(model=MODEL_NAME,
+                                                   messages=[system, {"role": "user", "content": "Go?"}],
+                                                   max_tokens=2, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens_details.cached_tokens
+
+
 # ------------------------------------------------------------------ bad input
 BAD = [
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),

@@ -9,9 +9,10 @@ from carpool.outputs import RequestMetrics, RequestOutput
 from carpool.server.metrics import MIN_HISTORY, STALL_FACTOR, ServerMetrics
 
 
-def fake_engine(running=0, waiting=0, preemptions=0, usage=0.0):
+def fake_engine(running=0, waiting=0, preemptions=0, usage=0.0, queries=0, hits=0):
     return SimpleNamespace(scheduler=SimpleNamespace(running=[None] * running, waiting=[None] * waiting,
-                                                     num_preemptions=preemptions),
+                                                     num_preemptions=preemptions, prefix_cache_queries=queries,
+                                                     prefix_cache_hits=hits),
                            block_manager=SimpleNamespace(usage=usage))
 
 
@@ -63,6 +64,14 @@ def test_stalls_ttft_and_gauges():
     assert sample(m, "carpool:request_queue_time_seconds_sum") == 0.1
     assert sample(m, "carpool:num_requests_running") == 0
     assert sample(m, "carpool:iteration_tokens_total_count") == MIN_HISTORY + 4
+
+
+def test_prefix_cache_counters_follow_the_scheduler():
+    m = ServerMetrics("m", 2048)
+    m.on_step(fake_engine(queries=100, hits=64), [], stats(0.01))
+    m.on_step(fake_engine(queries=250, hits=192), [], stats(0.01))
+    assert sample(m, "carpool:prefix_cache_queries_total") == 250
+    assert sample(m, "carpool:prefix_cache_hits_total") == 192
 
 
 def test_abort_counts():

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from carpool.bench.workload import RequestSpec
 from carpool.sampling_params import SamplingParams
 from carpool.sim.cost_model import FormulaCostModel
-from carpool.sim.simulator import ReplicaConfig, SimRequest, simulate
+from carpool.sim.simulator import ReplicaConfig, simulate
 from tests.helpers import scheduler_config
 
 LENGTHS = [(40, 6), (7, 12), (90, 4), (23, 9), (61, 7), (15, 10)]
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca"])
-def test_same_batches_and_free_blocks_as_the_engine(engine_fp32, policy):
+@pytest.mark.parametrize("policy, caching", [("sarathi", False), ("vllm", False), ("orca", False),
+                                             ("sarathi", True), ("vllm", True)])
+def test_same_batches_and_free_blocks_as_the_engine(engine_fp32, policy, caching):
+    """The prompts share their first tokens, so with prefix caching both hit the same blocks."""
     num_blocks, budget = 14, 32  # 224 slots for ~280 tokens in all: sarathi must preempt
     records = []
-    with scheduler_config(engine_fp32, budget=budget, num_blocks=num_blocks, policy=policy) as engine:
+    with scheduler_config(engine_fp32, budget=budget, num_blocks=num_blocks, policy=policy,
+                          prefix_caching=caching) as engine:
         sched = engine.scheduler
         real_schedule = sched.schedule
 
@@ -33,15 +37,20 @@ def test_same_batches_and_free_blocks_as_the_engine(engine_fp32, policy):
         while engine.has_unfinished_requests():
             engine.step()
         engine_preemptions = sched.num_preemptions
+        engine_hits = sched.prefix_cache_hits
 
-    sim = simulate([SimRequest(0.0, p, o) for p, o in LENGTHS],
+    same_prompts = [RequestSpec(i, 0.0, [100 + j for j in range(p)], o) for i, (p, o) in enumerate(LENGTHS)]
+    sim = simulate(same_prompts,
                    ReplicaConfig(scheduler=policy, max_num_batched_tokens=budget, num_blocks=num_blocks,
                                  block_size=engine_fp32.block_manager.block_size,
-                                 max_model_len=engine_fp32.max_model_len),
+                                 max_model_len=engine_fp32.max_model_len, enable_prefix_caching=caching),
                    FormulaCostModel())
     sim_records = [([(int(r.request_id.removeprefix("sim-")), n) for r, n in zip(mb.batch.requests, mb.batch.num_tokens)],
                     mb.free_blocks) for mb in sim.micro_batches]
     assert sim_records == [r for r in records if r[0]]
     assert sum(r.num_preemptions for r in sim.requests) == engine_preemptions
-    if policy == "sarathi":
+    assert sum(r.num_cached_tokens for r in sim.requests) == engine_hits
+    if caching:
+        assert engine_hits > 0
+    if policy == "sarathi" and not caching:  # (the shared prefix saves enough memory to avoid it)
         assert engine_preemptions > 0

@@ -137,3 +137,52 @@ def test_batch_shape_of_scheduled_batch():
     batch.add(a, 6)
     shape = BatchShape.of(batch)
     assert shape == BatchShape(prefills=((6, 0),), decode_contexts=(6,), num_sampled=1)
+
+
+# ------------------------------------------------------------------ prefix caching
+def sim_workload(**kw):
+    from carpool.bench.workload import WorkloadConfig, build_workload
+    from carpool.sim.run import SIM_PROMPTS
+
+    base = dict(num_requests=12, lengths="uniform", min_prompt_len=40, max_prompt_len=200, min_output_len=4,
+                max_output_len=16, qps=2.0, seed=3, max_model_len=4096)
+    return build_workload(WorkloadConfig(**{**base, **kw}), SIM_PROMPTS)
+
+
+def prefill_tokens(res) -> int:
+    return sum(mb.batch.num_prefill_tokens for mb in res.micro_batches)
+
+
+def test_shared_system_prompt_is_prefilled_once():
+    work = sim_workload(system_prompt_len=320)  # 20 blocks of 16
+    on = simulate(work, ReplicaConfig(), COST)
+    off = simulate(work, ReplicaConfig(enable_prefix_caching=False), COST)
+    assert on.unfinished == off.unfinished == 0
+    first = min(on.requests, key=lambda r: r.arrival_time)
+    assert first.num_cached_tokens == 0
+    assert all(r.num_cached_tokens == 320 for r in on.requests if r is not first)
+    assert prefill_tokens(off) - prefill_tokens(on) == 320 * (len(work) - 1)
+    assert all(r.num_cached_tokens == 0 for r in off.requests)
+    # Same tokens out, sooner.
+    assert [r.num_output_tokens for r in on.requests] == [r.num_output_tokens for r in off.requests]
+    assert sum(r.token_times[0] - r.arrival_time for r in on.requests) < \
+        sum(r.token_times[0] - r.arrival_time for r in off.requests)
+
+
+def test_conversations_follow_their_previous_turn_and_hit_it():
+    work = sim_workload(num_requests=4, turns=3, think_time=0.5)
+    assert len(work) == 12 and sum(w.parent is not None for w in work) == 8
+    res = simulate(work, ReplicaConfig(), COST)
+    assert res.unfinished == 0 and len(res.requests) == 12
+    by_index = {int(r.request_id.removeprefix("sim-")): r for r in res.requests}
+    position = {w.index: i for i, w in enumerate(work)}
+    for i, w in enumerate(work):
+        r = by_index[i]
+        assert r.num_prompt_tokens == w.prompt_len
+        if w.parent is None:
+            continue
+        prev = by_index[position[w.parent]]
+        assert r.arrival_time == pytest.approx(prev.finished_time + w.arrival_time)
+        assert r.token_ids[:prev.num_tokens] == prev.token_ids  # previous prompt and answer first
+        # All of the previous turn that was computed (all but its last token) comes from the cache.
+        assert r.num_cached_tokens == (prev.num_tokens - 1) // 16 * 16
