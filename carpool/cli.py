@@ -131,12 +131,13 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from carpool.args import apply_vllm_engine_flags
     from carpool.server.launch import run_server
     from carpool.server.options import ServerOptions
 
     if args.model_tag:
         args.model = args.model_tag
-    return run_server(engine_config(args), ServerOptions.from_args(args))
+    return run_server(apply_vllm_engine_flags(args, engine_config(args)), ServerOptions.from_args(args))
 
 
 def cmd_bench_pipeline(args) -> int:
@@ -278,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     from carpool.server.options import add_server_args
 
     add_server_args(p)
+    from carpool.args import add_vllm_engine_flags
+
+    add_vllm_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -301,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--model", default=None)
     k.add_argument("--dtype", default="float32", help="float32 (default) keeps greedy outputs batch-invariant")
     k.add_argument("--max-num-batched-tokens", type=int, default=256)
-    k.add_argument("--kv-cache-memory", default=None)
+    k.add_argument("--kv-cache-memory", default="512MiB",
+                   help="small, so that the cache is soon all touched and later RSS growth means a leak")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--output", default="bench_results/soak")
     k.set_defaults(func=cmd_bench_soak)

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -20,7 +21,7 @@ from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_me
                             resolve_device, resolve_dtype)
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
-from carpool.distributed.executor import ExecutorError, make_executor
+from carpool.executor import Executor, ExecutorError, make_executor
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler
@@ -49,7 +50,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.executor = make_executor(config, self.device, self.dtype)
+        self.executor: Executor = make_executor(config, self.device, self.dtype)
         try:
             self._init_after_model(config)
         except BaseException:
@@ -89,6 +90,7 @@ class LLMEngine:
         # Steps in a row whose batch failed as a whole: a sticky fault (a broken device) shows
         # as a run of these, which the server treats as the engine being dead.
         self.num_consecutive_failed_steps = 0
+        self._batch_observers: list[Callable[[ScheduledBatch], None]] = []
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
                  num_blocks * config.block_size * per_token / 2**20,
@@ -131,16 +133,28 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if sp.truncate_prompt_tokens is not None:
+            ids = ids[-sp.truncate_prompt_tokens:]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, but at most {self.max_model_len - 1} fit "
                 f"(context {self.model_config.max_position_embeddings} tokens, KV cache "
                 f"{self.block_manager.capacity_tokens} tokens) with room for one generated token")
-        bad = [t for t in sp.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary")
+        if sp.n != 1:
+            raise ValueError("n: the engine runs one choice per request; add one request per choice "
+                             "(LLM.generate and the server do)")
+        vocab = self.model_config.vocab_size
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in getattr(sp, name) or () if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         request = Request(request_id, ids, sp, prompt=prompt if isinstance(prompt, str) else None,
                           eos_token_ids=self.eos_token_ids)
+        for word in sp.bad_words or ():
+            for variant in (word, " " + word.lstrip()):
+                seq = self.tokenizer.encode(variant, add_special_tokens=False)
+                if seq and seq not in request.bad_words_token_ids:
+                    request.bad_words_token_ids.append(seq)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request_id] = request
@@ -177,6 +191,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch.requests:
                 break
+            for observe in self._batch_observers:
+                observe(batch)
             try:
                 ex.submit(batch)
             except ExecutorError as exc:
@@ -207,7 +223,7 @@ class LLMEngine:
                 outputs.append(self._fail_request(request, error))
                 continue
             if lp is not None:
-                request.output_logprobs.append(lp)
+                self.outputs.append_logprobs(request, token, lp)
             status = self.outputs.append_token(request, token, now)
             if status is not None:
                 self.scheduler.finish(request, status)
@@ -217,6 +233,13 @@ class LLMEngine:
         self.iteration_stats.append(IterationStats(start, time.monotonic() - start, num_prefill,
                                                    num_decode, len(batch), len(batch.preempted)))
         return outputs
+
+    def add_batch_observer(self, observe: Callable[[ScheduledBatch], None]) -> Callable[[], None]:
+        """Call `observe(batch)` for every batch as it is submitted, before it runs (the
+        simulator's fidelity and calibration tools record batch shapes this way; each later
+        gets one `iteration_stats` entry). Returns a function that removes the observer."""
+        self._batch_observers.append(observe)
+        return lambda: self._batch_observers.remove(observe)
 
     @staticmethod
     def _drop_aborted(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:

@@ -3,60 +3,109 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from carpool.config import EngineConfig
+from carpool.args import engine_config
 from carpool.engine import LLMEngine
 from carpool.outputs import RequestOutput
-from carpool.request import RequestStatus
 from carpool.sampling_params import SamplingParams
 
 Message = dict[str, str]
 
 
 class LLM:
+    """vLLM's offline API over one LLMEngine. Keyword arguments are vLLM's engine arguments
+    (carpool/args.py: honoured, mapped, or ignored with a warning)."""
+
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        self.llm_engine = LLMEngine(engine_config(model, **kwargs))
+        self.tokenizer = self.llm_engine.tokenizer
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.llm_engine
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run all prompts to completion. A bad prompt gets an output with `error` set and
-        finish_reason 'error'; the others still run."""
+        """Run all prompts to completion: one RequestOutput per prompt, with `n` choices in its
+        `outputs`. A bad prompt gets an output with `error` set and finish_reason 'error'; the
+        others still run."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
+        choices: dict[str, tuple[str, int]] = {}  # engine request id -> (prompt's id, choice index)
         order = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            sp = sp or engine.default_sampling_params()  # generation_config.json's, as vLLM
             rid = f"gen-{id(self)}-{i}"
             order.append(rid)
             try:
-                self.engine.add_request(prompt, sp, request_id=rid)  # None: the model's defaults
+                for j, choice_params in enumerate(one_per_choice(sp)):
+                    engine.add_request(prompt, choice_params, request_id=f"{rid}-{j}")
+                    choices[f"{rid}-{j}"] = (rid, j)
             except ValueError as e:
-                results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
-                                             [], "", [], "", [], True, RequestStatus.FINISHED_ERROR.value,
-                                             error=str(e))
+                for cid, (parent, _) in list(choices.items()):
+                    if parent == rid:
+                        engine.abort_request(cid)
+                        del choices[cid]
+                results[rid] = RequestOutput.failed(rid, prompt if isinstance(prompt, str) else None, str(e), sp.n)
+        pending = {rid: [None] * (sp.n if sp else 1) for rid, sp in zip(order, params) if rid not in results}
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, initial=len(results))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                rid, j = choices[out.request_id]
+                pending[rid][j] = out
+                if all(pending[rid]):
+                    results[rid] = merge_choices(rid, pending.pop(rid))
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def apply_chat_template(self, messages: list[Message], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, tools=tools, tokenize=True,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {'role','content'}) or several; answers via the model's
-        own chat template."""
+        own chat template (or `chat_template`, a Jinja string)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message, tools)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def one_per_choice(sp: SamplingParams) -> list[SamplingParams]:
+    """n choices -> n engine requests; choice j of a seeded request draws with seed + j."""
+    if sp.n == 1:
+        return [sp]
+    return [replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + j + 2**63) % 2**64 - 2**63)
+            for j in range(sp.n)]
+
+
+def merge_choices(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    merged = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    errors = [o.error for o in outs if o.error]
+    return replace(first, request_id=request_id, outputs=merged, error=errors[0] if errors else None)

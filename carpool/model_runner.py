@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +45,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype):
         self.model = model
+        self.last_forward_seconds = 0.0
         if can_pack_linears(device, dtype):
             pack_linears_for_cpu(model)
         choose_kernels(model)  # quantized linears: up to which token count their kernel wins
@@ -146,10 +149,14 @@ class ModelRunner:
         self.clear_fresh_tails(plan)
         input_ids, positions, meta = self.tensors(plan)
         sample_rows = plan.sample_rows
+        start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[sample_rows])
+            logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[sample_rows])
+        self.last_forward_seconds = time.perf_counter() - start  # model + LM head, for the profiler
+        return logits
 
     @torch.inference_mode()
     def run_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from carpool.request import Request, RequestStatus
 from carpool.tokenizer import IncrementalDetokenizer
@@ -25,26 +26,81 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """A candidate token's log-probability, as vLLM reports it: `rank` 1 is the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per generated token: the sampled one and the top-N
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """A request's progress after one step. `new_*` is what this step added; `text`,
-    `token_ids` and `logprobs` are everything generated so far, or, for requests with
-    `output_kind="delta"`, the same as `new_*` (so that no step copies the whole output)."""
+    """A request's progress after one step, in vLLM's shape: `outputs[i]` is choice i, whose
+    `text`, `token_ids` and `logprobs` are everything generated so far, or, with
+    `output_kind="delta"`, only what this step added (so that no step copies a whole output).
+
+    `new_text`, `new_token_ids` and `new_logprobs` are what this step added to choice 0 whatever
+    the output kind (the engine runs one choice per request; `LLM.generate` merges choices), and
+    `text`, `token_ids`, `logprobs`, `finish_reason`, `stop_reason` read choice 0."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    new_text: str
-    new_token_ids: list[int]
-    text: str
-    token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: SampleLogprobs = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> SampleLogprobs | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @classmethod
+    def failed(cls, request_id: str, prompt: str | None, error: str, n: int = 1) -> RequestOutput:
+        """The output of a request refused before it ran."""
+        return cls(request_id, prompt, [], [CompletionOutput(i, "", [], None, None, "error") for i in range(n)],
+                   True, error=error)
 
 
 class OutputProcessor:
@@ -56,6 +112,8 @@ class OutputProcessor:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, str] = {}
         self._sent: dict[str, tuple[int, int, int]] = {}  # chars, tokens, logprobs handed out
+        self._token_text = lru_cache(maxsize=1 << 16)(
+            lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
 
     def add(self, request: Request) -> None:
         sp = request.sampling_params
@@ -63,6 +121,12 @@ class OutputProcessor:
             self.tokenizer, request.prompt_token_ids, sp.skip_special_tokens)
         self._text[request.request_id] = ""
         self._sent[request.request_id] = (0, 0, 0)
+
+    def append_logprobs(self, request: Request, token: int, entry: dict[int, Logprob]) -> None:
+        for tid, lp in entry.items():
+            lp.decoded_token = self._token_text(tid)
+        request.cumulative_logprob += entry[token].logprob
+        request.output_logprobs.append(entry)
 
     def append_token(self, request: Request, token: int, now: float) -> RequestStatus | None:
         """Record a sampled token; return the finished status if it ends the request."""
@@ -106,20 +170,24 @@ class OutputProcessor:
         new_ids = request.token_ids[request.num_prompt_tokens + sent_tokens:]
         new_lp = request.output_logprobs[sent_lp:]
         delta = request.sampling_params.output_kind == "delta"
-        out_ids = new_ids if delta else request.output_token_ids
+        choice = CompletionOutput(
+            index=0,
+            text=new_text if delta else text[:visible],
+            token_ids=new_ids if delta else request.output_token_ids,
+            cumulative_logprob=request.cumulative_logprob if wants_lp else None,
+            logprobs=(new_lp if delta else request.output_logprobs) if wants_lp else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
         output = RequestOutput(
             request_id=rid,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
+            outputs=[choice],
+            finished=request.is_finished,
             new_text=new_text,
             new_token_ids=new_ids,
-            text=new_text if delta else text[:visible],
-            token_ids=new_ids if delta else out_ids,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
             new_logprobs=new_lp,
-            logprobs=(new_lp if delta else request.output_logprobs) if wants_lp else None,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                    request.token_times, request.finished_time, request.num_preemptions),
             error=request.error,

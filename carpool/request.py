@@ -51,8 +51,10 @@ class Request:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)  # per token: {token id: Logprob}
+    cumulative_logprob: float = 0.0  # of the sampled tokens (kept when logprobs are asked for)
     generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine (tokenizer)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

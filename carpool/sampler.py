@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from carpool.outputs import Logprob
 from carpool.request import Request
 
 
@@ -27,6 +28,26 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         if out and (sp.presence_penalty or sp.frequency_penalty):
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).to(x.dtype)
             x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def apply_token_controls(logits: torch.Tensor, requests: list[Request]) -> None:
+    """logit_bias, allowed_token_ids and bad_words (a bad word's last token is banned once the
+    output ends with the rest of it)."""
+    for row, req in enumerate(requests):
+        sp = req.sampling_params
+        if sp.logit_bias:
+            ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype)
+        if sp.allowed_token_ids is not None:
+            keep = logits[row, sp.allowed_token_ids].clone()
+            logits[row] = float("-inf")
+            logits[row, sp.allowed_token_ids] = keep
+        if req.bad_words_token_ids:
+            out = req.output_token_ids
+            for seq in req.bad_words_token_ids:
+                head = seq[:-1]
+                if not head or (len(out) >= len(head) and out[len(out) - len(head):] == head):
+                    logits[row, seq[-1]] = float("-inf")
 
 
 def mask_stops_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -63,7 +84,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]
-                 ) -> tuple[list[int | None], list[dict[int, float] | None], list[str | None]]:
+                 ) -> tuple[list[int | None], list[dict[int, Logprob] | None], list[str | None]]:
         """Returns per row: the token (None if the row failed), its logprobs entry, and the
         error of a failed row."""
         logits = logits.float()
@@ -71,6 +92,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         logits = logits.clone()
         apply_penalties(logits, requests)
+        apply_token_controls(logits, requests)
         mask_stops_before_min_tokens(logits, requests)
 
         errors: list[str | None] = [None] * len(requests)
@@ -101,16 +123,18 @@ class Sampler:
                     errors[i] = f"sampling failed: {exc}"
 
         token_list: list[int | None] = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(requests)
         for i, req in enumerate(requests):
             if errors[i] is not None:
                 token_list[i] = None
             elif want_logprobs[i]:
+                row, token = raw_logprobs[i], token_list[i]
+                value = row[token].item()
+                entry = {token: Logprob(value, int((row > value).sum()) + 1)}
                 n = req.sampling_params.logprobs
-                top = raw_logprobs[i].topk(n) if n else None
-                entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
-                if top is not None:
-                    for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                        entry.setdefault(t, v)
+                if n:
+                    top = row.topk(n)
+                    for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+                        entry.setdefault(t, Logprob(v, rank))
                 logprobs[i] = entry
         return token_list, logprobs, errors

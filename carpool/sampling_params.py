@@ -18,6 +18,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_N = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds are 64-bit
 
 # "cumulative": text and token_ids hold everything generated so far (every step copies them).
@@ -45,6 +46,12 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return beside the sampled token
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    n: int = 1  # choices per prompt: LLM.generate and the server run one engine request per choice
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # words never generated (each also with a leading space)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # not implemented yet: refused rather than ignored
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
@@ -98,6 +105,22 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()) or any(k < 0 for k in self.logit_bias):
+                raise ValueError("logit_bias must map token ids >= 0 to values in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
         if self.output_kind not in ("cumulative", "delta"):
             raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}")
 

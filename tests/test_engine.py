@@ -102,7 +102,11 @@ def test_max_tokens_and_logprobs(engine_fp32):
     assert len(final.logprobs) == 5
     for tok_id, lp in zip(final.token_ids, final.logprobs):
         assert tok_id in lp and 2 <= len(lp) <= 4
-        assert lp[tok_id] == max(lp.values())  # greedy picks the most likely token
+        assert lp[tok_id].rank == 1 and lp[tok_id].logprob == max(v.logprob for v in lp.values())  # greedy
+        assert lp[tok_id].decoded_token == engine_fp32.tokenizer.decode([tok_id])
+    choice = final.outputs[0]  # vLLM's shape
+    assert choice.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(choice.token_ids,
+                                                                                         choice.logprobs)))
     m = final.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.token_times[0] <= m.token_times[-1] <= m.finished_time
 
@@ -235,7 +239,7 @@ def test_delta_outputs_carry_only_the_new_tokens(engine_fp32, prompts, alone):
 
 def test_llm_chat(engine_fp32, model_path):
     llm = LLM.__new__(LLM)  # reuse the loaded engine
-    llm.engine, llm.tokenizer = engine_fp32, engine_fp32.tokenizer
+    llm.llm_engine, llm.tokenizer = engine_fp32, engine_fp32.tokenizer
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=24, temperature=0),
                    use_tqdm=False)
     assert "4" in out[0].text

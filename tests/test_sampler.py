@@ -352,8 +352,9 @@ def test_logprobs_are_raw_log_softmax(seed, n, temperature):
         assert set(entry) == top | {tokens[i]}
         assert len(entry) in (n, n + 1)
         for t, v in entry.items():
-            assert v == pytest.approx(raw[i, t].item(), abs=1e-6)
-        assert all(v <= 0 for v in entry.values())
+            assert v.logprob == pytest.approx(raw[i, t].item(), abs=1e-6)
+            assert v.rank == int((raw[i] > raw[i, t]).sum()) + 1  # 1 = the most likely
+        assert all(v.logprob <= 0 for v in entry.values())
 
 
 # ------------------------------------------------------------------ failures stay in their row

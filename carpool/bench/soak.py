@@ -58,6 +58,9 @@ class SoakReport:
     rss_start_mb: float
     rss_end_mb: float
     rss_peak_mb: float
+    # RSS grows while the KV cache's pages are first touched, then stays flat: growth over the
+    # second half of the run is what a leak would show.
+    rss_second_half_growth_mb: float
     rss_samples: list[tuple[float, float]] = field(default_factory=list)
 
     @property
@@ -302,7 +305,9 @@ async def _soak(args, url: str, pid: int) -> SoakReport:
         running_at_end=metric(text, "carpool:num_requests_running"),
         waiting_at_end=metric(text, "carpool:num_requests_waiting"), kv_usage_at_end=usage,
         leaked_blocks=round(usage * num_blocks(text)), rss_start_mb=rss_start, rss_end_mb=rss_end,
-        rss_peak_mb=max(v for _, v in samples + [(0, rss_end)]), rss_samples=samples)
+        rss_peak_mb=max(v for _, v in samples + [(0, rss_end)]),
+        rss_second_half_growth_mb=rss_end - next(v for t, v in samples if t >= args.duration / 2 - 5),
+        rss_samples=samples)
 
 
 def run_soak(args) -> SoakReport:
@@ -326,7 +331,8 @@ def run_soak(args) -> SoakReport:
     print(f"soak: {report.requests} requests in {report.duration_s:.0f} s; valid 5xx {report.valid_5xx}; "
           f"greedy mismatches {report.greedy_mismatches}/{report.greedy_checked}; leaked blocks "
           f"{report.leaked_blocks}; RSS {report.rss_start_mb:.0f} -> {report.rss_end_mb:.0f} MiB "
-          f"(peak {report.rss_peak_mb:.0f}); server exit {server.returncode}; "
+          f"(peak {report.rss_peak_mb:.0f}, second half {report.rss_second_half_growth_mb:+.0f}); "
+          f"server exit {server.returncode}; "
           f"{'PASSED' if report.passed else 'FAILED'}", file=sys.stderr)
     for key, n in report.by_outcome.items():
         print(f"  {key:<40} {n}", file=sys.stderr)

@@ -1,8 +1,5 @@
-"""Executors run the engine's micro-batches: the whole model in this process (the default, exactly
-today's engine), or T x P worker processes over torch.distributed. Both have one interface:
-
-    submit(batch)      start a micro-batch (at most `max_in_flight` at once)
-    collect() -> logits    wait for the oldest one; logits of its requests that are sampled
+"""The multi-process executor (carpool/executor.py has the interface): T x P worker processes
+over torch.distributed, with the driver's shard in this process.
 
 The driver (this process, rank 0) keeps the scheduler, block manager and sampler. On submit it
 flattens the batch into one plan (token ids, positions, KV slots, block tables, rows to sample)
@@ -29,57 +26,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from carpool.config import EngineConfig
+from carpool.executor import ExecutorError
 from carpool.core.scheduler import ScheduledBatch
 from carpool.distributed.comm import Comm, Rendezvous, loopback_store
 from carpool.distributed.layout import ParallelLayout
 from carpool.distributed.messages import (InitKVCache, LoadModel, RunPlan, SendTimings, Shutdown, Timings,
                                           WorkerReady)
 from carpool.distributed.worker import Worker, local_device, threads_per_process, worker_main
-from carpool.model.loader import is_gguf, load_model, open_gguf
+from carpool.model.loader import is_gguf, open_gguf
 from carpool.model_runner import ModelRunner, StepPlan, kv_bytes_per_token
 
 log = logging.getLogger("carpool")
-
-
-class ExecutorError(RuntimeError):
-    """The parallel workers failed (a worker died, a transfer broke) and were shut down. The
-    engine fails every request with this message and raises it from step() and add_request()."""
-
-
-class UniprocExecutor:
-    """The whole model in this process; a micro-batch runs when it is collected."""
-
-    max_in_flight = 1
-    num_local_processes = 1
-
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
-        self.config, self.device, self.dtype = config, device, dtype
-        self.gguf_reader = open_gguf(config.model) if is_gguf(config.model) else None
-        self.model = load_model(config.model, dtype, device, gguf_reader=self.gguf_reader,
-                                quantization=config.quantization)
-        self.model_config = self.model.config
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
-        self.runner: ModelRunner | None = None
-        self._queue: deque[ScheduledBatch] = deque()
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queue)
-
-    def submit(self, batch: ScheduledBatch) -> None:
-        self._queue.append(batch)
-
-    def collect(self) -> torch.Tensor:
-        return self.runner.execute(self._queue.popleft())
-
-    def stage_timings(self, reset: bool = False) -> dict | None:
-        return None
-
-    def shutdown(self) -> None:
-        self._queue.clear()
 
 
 @dataclass
@@ -349,9 +306,3 @@ def _terminate(processes: list, grace: float = 0.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(2.0)
-
-
-def make_executor(config: EngineConfig, device: torch.device, dtype: torch.dtype):
-    if config.world_size == 1:
-        return UniprocExecutor(config, device, dtype)
-    return MultiprocExecutor(config, device, dtype)

@@ -182,6 +182,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    # The attention kernel, as a hook: the profiler (sim/profile.py) swaps in one that returns its
+    # query, so that what is left of a forward pass is its linear part.
+    attend = staticmethod(paged_attention)
+
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         if config.num_heads % tp.size or config.num_kv_heads % tp.size:
@@ -213,7 +217,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, cache, meta, self.scale)
+        o = self.attend(q, k, v, cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 

@@ -21,6 +21,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
@@ -159,6 +160,11 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
     app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes, paths=frozenset(BODY_MODELS))
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    if options.allowed_origins:  # outermost, so that preflights and errors carry the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                           allow_credentials=options.allow_credentials,
+                           allow_methods=options.allowed_methods or ["*"],
+                           allow_headers=options.allowed_headers or ["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -190,8 +196,12 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
     async def version():
         return {"version": importlib.metadata.version("carpool")}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():  # SageMaker's and vLLM's liveness probe: /health's answer
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
         return await health()
 
     @app.get("/v1/models")

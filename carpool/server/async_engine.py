@@ -2,7 +2,7 @@
 
 One thread owns the engine and is the only one that calls `add_request`, `abort_request` and
 `step`: the process's main thread under `carpool serve` (torch's OpenMP pool stays hot there;
-the same loop on any other thread measured ~40% slower per step), or a background thread for
+the same loop on any other thread measured 1.4-2x slower per step), or a background thread for
 embedding and tests (`start()`). Coroutines on the event loop hand it commands through a locked
 list; before every step the loop drains that list, so adds and aborts land between iterations.
 Each step's outputs go back to the event loop in one `call_soon_threadsafe` per request group.
@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from carpool.engine import LLMEngine
-from carpool.outputs import RequestOutput
+from carpool.outputs import Logprob, RequestOutput
 from carpool.sampling_params import SamplingParams
 
 log = logging.getLogger("carpool.server")
@@ -90,7 +90,7 @@ class Delta:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from carpool.outputs import Logprob
 from carpool.server.async_engine import Delta
 from carpool.server.protocol import APIError, ChatCompletionRequest, parse_request
 from carpool.server.serving import Prepared, ServingContext, finite, usage
@@ -22,6 +23,8 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
     if not ids:
         raise APIError("messages: the conversation has no tokens", param="messages")
+    if req.truncate_prompt_tokens:
+        ids = ids[-req.truncate_prompt_tokens:]
     requested = req.requested_max_tokens
     ctx.check_length(len(ids), requested, "messages")
     max_tokens = requested if requested is not None else ctx.max_model_len - len(ids)
@@ -30,14 +33,14 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     return Prepared(req, [(None, ids)], entries, request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
 
-def logprobs_content(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, float]],
+def logprobs_content(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
                      top: int) -> list[dict]:
     content = []
     for t, d in zip(token_ids, entries):
         s = ctx.token_str(t)
-        best = sorted(d.items(), key=lambda kv: -kv[1])[:top]
-        content.append({"token": s, "logprob": finite(d[t]), "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": ctx.token_str(k), "logprob": finite(v),
+        best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:top]
+        content.append({"token": s, "logprob": finite(d[t].logprob), "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": ctx.token_str(k), "logprob": finite(v.logprob),
                                           "bytes": list(ctx.token_str(k).encode())} for k, v in best]})
     return content
 

@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from carpool.outputs import Logprob
 from carpool.server.async_engine import Delta
 from carpool.server.protocol import APIError, CompletionRequest, parse_request
 from carpool.server.serving import Prepared, ServingContext, finite, usage
@@ -32,6 +33,8 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
             ids = p
         if not ids:
             raise APIError("prompt: the prompt has no tokens", param="prompt")
+        if req.truncate_prompt_tokens:
+            ids = ids[-req.truncate_prompt_tokens:]
         ctx.check_length(len(ids), max_tokens, "prompt")
         prompts.append((p if isinstance(p, str) else None, ids))
     entries = [(ids, ctx.sampling_params(req, max_tokens, j, req.logprobs))
@@ -39,7 +42,7 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     return Prepared(req, prompts, entries, request_id=f"cmpl-{uuid.uuid4().hex}")
 
 
-def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, float] | None],
+def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob] | None],
                   text_offset: int) -> dict[str, list]:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, d in zip(token_ids, entries):
@@ -51,8 +54,8 @@ def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
-            out["token_logprobs"].append(finite(d[t]))
-            out["top_logprobs"].append({ctx.token_str(k): finite(v) for k, v in d.items()})
+            out["token_logprobs"].append(finite(d[t].logprob))
+            out["top_logprobs"].append({ctx.token_str(k): finite(v.logprob) for k, v in d.items()})
     return out
 
 

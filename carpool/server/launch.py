@@ -1,8 +1,9 @@
 """The `carpool serve` process: the engine loop on the main thread, uvicorn on a thread beside it.
 
-torch's OpenMP pool is fastest driven from the main thread: the same decode loop measured
-~40% slower per step on any other thread (its workers then wake as if OMP_WAIT_POLICY were
-PASSIVE, once per parallel region, ~1,000 regions per step). So the main thread runs
+torch's OpenMP pool is fastest driven from the main thread: the same decode loop measured 1.4x
+(AMD EPYC) to 2x (Intel Xeon, 61.8 vs 31.5 ms per step, BENCHMARKS.md) slower on any other
+thread (its workers then wake as if OMP_WAIT_POLICY were PASSIVE, once per parallel region,
+~1,000 regions per step). So the main thread runs
 `AsyncLLMEngine.run()`, and uvicorn, which only moves requests in and tokens out, runs its
 event loop on a second thread. Signals land on the main thread: SIGTERM/SIGINT ask uvicorn to
 stop accepting, drain in-flight requests for up to --shutdown-timeout seconds, and run the app's

@@ -186,7 +186,7 @@ class ServerMetrics:
                 if times:
                     self.decode_time.observe(end - times[0])
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-            self.request_generation_tokens.observe(len(out.token_ids))
+            self.request_generation_tokens.observe(len(times))  # one time per token, whatever the output kind
 
     # ------------------------------------------------------------ exposition
     def render(self) -> tuple[bytes, str]:

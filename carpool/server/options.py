@@ -23,6 +23,13 @@ class ServerOptions:
     # Bodies past this get 413 before they are parsed (a 128k-token prompt is ~0.6 MB of JSON).
     max_request_body_bytes: int = 2 << 20
     metrics_namespace: str = "carpool"  # or "vllm": the same metrics under vLLM's names
+    chat_template: str | None = None  # a Jinja template (or a file holding one) instead of the model's
+    allowed_origins: list[str] | None = None  # CORS; none by default (same-origin only)
+    allow_credentials: bool = False
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    enable_log_requests: bool = False  # log each request's prompt, cut to max_log_len characters
+    max_log_len: int | None = None
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
@@ -36,15 +43,34 @@ class ServerOptions:
             raise ValueError("max_waiting_requests must be >= 0")
 
     def model_names(self, model_path: str) -> list[str]:
-        """Names clients may ask for: --served-model-name, else the model's file or folder name
-        (never a local path: responses must not reveal the server's file system)."""
+        """Names clients may ask for: --served-model-name, else the model's repo id or file or
+        folder name (never a local path: responses must not reveal the server's file system)."""
         if self.served_model_name:
             return list(self.served_model_name)
+        if not Path(model_path).exists():  # a Hugging Face repo id (from the local cache): as given
+            return [model_path]
         return [Path(model_path).name.removesuffix(".gguf")]
+
+    def chat_template_text(self) -> str | None:
+        if self.chat_template and Path(self.chat_template).is_file():
+            return Path(self.chat_template).read_text()
+        return self.chat_template
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = [text]  # a single bare value
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -52,9 +78,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server (named as in vllm serve)")
     g.add_argument("--host", default=d.host, help=f"bind address (default: {d.host})")
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
+    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $CARPOOL_API_KEY, else no key)")
+                        "(default: $CARPOOL_API_KEY, else $VLLM_API_KEY, else no key)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients may ask for; the first is reported "
                         "(default: the model's file or folder name)")
@@ -68,6 +94,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-namespace", choices=("carpool", "vllm"), default=d.metrics_namespace,
                    help="prefix of the /metrics names: carpool:... (default) or vllm:..., so that dashboards "
                         "and gateways that read vllm:num_requests_waiting work unchanged")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the model's own)")
+    g.add_argument("--allowed-origins", type=json_list, default=None,
+                   help='CORS origins, as a JSON list, e.g. \'["https://app.example"]\' (default: none)')
+    g.add_argument("--allow-credentials", action="store_true")
+    g.add_argument("--allowed-methods", type=json_list, default=None, help='CORS methods (default: ["*"])')
+    g.add_argument("--allowed-headers", type=json_list, default=None, help='CORS headers (default: ["*"])')
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log every request's prompt (default: off)")
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older spelling of --no-enable-log-requests")
+    g.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt to log")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,

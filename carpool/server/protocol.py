@@ -11,11 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from carpool.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+from carpool.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
                                      MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN)
 
-MAX_N = 128
 
 
 class APIError(Exception):
@@ -67,8 +66,7 @@ class StreamOptions(_Strict):
 # and logged once by name.
 UNSUPPORTED_FIELDS = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids", "bad_words",
-    "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "length_penalty",
+    "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "use_beam_search", "length_penalty",
     "logits_processors", "return_tokens_as_token_ids", "functions", "function_call", "tool_choice",
     "prediction", "vllm_xargs",
 })
@@ -101,8 +99,12 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # token id (as text) -> bias
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     # Accepted for compatibility; any value that would change the result is refused below.
-    logit_bias: dict[str, float] | None = None
     best_of: StrictInt | None = None
 
     @property
@@ -116,8 +118,8 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"{name}: not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
+        if self.logit_bias and not all(k.isdigit() for k in self.logit_bias):
+            raise ValueError("logit_bias: keys must be token ids")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

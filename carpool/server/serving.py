@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from carpool.engine import LLMEngine
+from carpool.outputs import Logprob
 from carpool.sampling_params import SamplingParams
 from carpool.server.async_engine import (AsyncLLMEngine, Delta, EngineDeadError, EngineOverloadedError,
                                          RequestFailedError, RequestGroup, RequestRejectedError)
@@ -90,7 +91,7 @@ class Choice:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -141,6 +142,7 @@ class ServingContext:
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
         self._warned_fields: set[str] = set()
+        self.chat_template = options.chat_template_text()
 
     def close(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
@@ -186,7 +188,7 @@ class ServingContext:
                         for m in messages]
         try:
             ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
+                                                     tokenize=True, chat_template=self.chat_template)
         except Exception as exc:  # the template itself may reject a conversation
             log.info("chat template rejected a conversation: %s", exc)
             raise APIError("messages: the model's chat template rejected this conversation "
@@ -208,8 +210,7 @@ class ServingContext:
     def sampling_params(self, req, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
         if req.min_tokens > max_tokens:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
-        if req.stop_token_ids:
-            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
         seed = None
         if req.seed is not None:  # choice j draws with seed + j, wrapped into the 64-bit range
             seed = (req.seed + choice + 2**63) % 2**64 - 2**63
@@ -231,6 +232,10 @@ class ServingContext:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 output_kind="delta",
             )
         except ValueError as exc:
@@ -238,6 +243,10 @@ class ServingContext:
 
     # ------------------------------------------------------------ submitting (event loop)
     async def submit(self, prepared: Prepared, arrival: float, param: str) -> RequestGroup:
+        if self.options.enable_log_requests:
+            text = self.tokenizer.decode(prepared.entries[0][0]) if prepared.entries else ""
+            log.info("request %s: %d choice(s), prompt %r", prepared.request_id, len(prepared.entries),
+                     text[:self.options.max_log_len] if self.options.max_log_len is not None else text)
         try:
             return await self.async_engine.add_requests(prepared.entries, arrival_time=arrival,
                                                         prefix=prepared.request_id)
@@ -246,8 +255,9 @@ class ServingContext:
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, code="engine_dead") from None
-        except RequestRejectedError as exc:
-            raise APIError(f"{param}: {exc}", param=_field_of(str(exc)) or param) from None
+        except RequestRejectedError as exc:  # the engine names the field, or it is about the prompt
+            field = _field_of(str(exc))
+            raise APIError(str(exc) if field else f"{param}: {exc}", param=field or param) from None
         except RequestFailedError as exc:
             raise APIError(str(exc), 500, code="internal_error") from None
 
@@ -313,4 +323,7 @@ class ServingContext:
 def _field_of(message: str) -> str | None:
     """SamplingParams and the engine name the field first: 'stop_token_ids must ...'."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").isalpha() and head.islower() else None
+    return head if head in SAMPLING_FIELDS else None
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))

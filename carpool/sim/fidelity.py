@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 
@@ -41,18 +40,15 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
                                       engine.max_model_len)
     specs = build_workload(workload_config(args, args.qps), PromptSource.from_tokenizer(engine.tokenizer))
     shapes: list[BatchShape] = []
-    real_execute = engine.runner.execute
-
-    def recording_execute(batch):
-        shapes.append(BatchShape.of(batch))
-        return real_execute(batch)
-
     driver = InProcessDriver(engine)
     driver.warmup()
-    with mock.patch.object(engine.runner, "execute", recording_execute):
+    stop_recording = engine.add_batch_observer(lambda batch: shapes.append(BatchShape.of(batch)))
+    try:
         start = len(engine.iteration_stats)
         run = driver.run(specs)
         steps = list(engine.iteration_stats)[start:]
+    finally:
+        stop_recording()
     measured = [s.duration for s in steps]
     predicted = [sum(cost.stage_time(sh, st) for st in range(cost.num_stages)) for sh in shapes[-len(steps):]]
     signed = (np.array(predicted) - np.array(measured)) / np.array(measured)

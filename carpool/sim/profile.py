@@ -11,13 +11,13 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from unittest import mock
 
 import torch
 
 from carpool.bench.hybrid import median_time
 from carpool.bench.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
+from carpool.model.llama import Attention
 from carpool.model import attention as attention_module
 from carpool.sampling_params import SamplingParams
 from carpool.sim.cost_model import Profile
@@ -37,8 +37,12 @@ SAMPLE_ROWS = (1, 4, 16, 64, 128)
 @contextmanager
 def attention_stubbed():
     """Attention returns its query: what is left of a forward pass is the linear part."""
-    with mock.patch("carpool.model.llama.paged_attention", lambda q, k, v, cache, meta, scale: q):
+    real = Attention.__dict__["attend"]  # the staticmethod itself, to put back as it was
+    Attention.attend = staticmethod(lambda q, k, v, cache, meta, scale: q)
+    try:
         yield
+    finally:
+        Attention.attend = real
 
 
 def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> Profile:
@@ -143,11 +147,6 @@ def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float
     rng = torch.Generator().manual_seed(1)
     vocab = engine.model_config.vocab_size
     shapes: list[BatchShape] = []
-    real_execute = engine.runner.execute
-
-    def recording(batch):
-        shapes.append(BatchShape.of(batch))
-        return real_execute(batch)
 
     longest = min(1024, engine.max_model_len - 64)
     for _ in range(num_requests):
@@ -156,9 +155,12 @@ def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float
         engine.add_request(torch.randint(vocab, (n,), generator=rng).tolist(),
                            SamplingParams(max_tokens=out, ignore_eos=True, temperature=0))
     start = len(engine.iteration_stats)
-    with mock.patch.object(engine.runner, "execute", recording):
+    stop_recording = engine.add_batch_observer(lambda batch: shapes.append(BatchShape.of(batch)))
+    try:
         while engine.has_unfinished_requests():
             engine.step()
+    finally:
+        stop_recording()
     steps = list(engine.iteration_stats)[start:]
     ratios = [s.duration / model.stage_time(sh, 0) for s, sh in zip(steps, shapes)]
     return statistics.median(ratios)
@@ -166,29 +168,14 @@ def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float
 
 def step_overhead(engine: LLMEngine, steps: int = 40) -> float:
     """Median over real engine steps of (step time - model and LM head time)."""
-    model = engine.model
-    inside: list[float] = []
-    real_forward, real_logits = model.forward, model.compute_logits
-
-    def timed(fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            inside[-1] += time.perf_counter() - t
-            return out
-        return wrapper
-
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(24 + 8 * i)] for i in range(8)]
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0))
     gaps = []
-    with mock.patch.object(model, "forward", timed(real_forward)), \
-            mock.patch.object(model, "compute_logits", timed(real_logits)):
-        while engine.has_unfinished_requests():
-            inside.append(0.0)
-            t = time.perf_counter()
-            engine.step()
-            gaps.append(time.perf_counter() - t - inside[-1])
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        gaps.append(time.perf_counter() - t - engine.runner.last_forward_seconds)
     return statistics.median(gaps)
 
 

@@ -26,7 +26,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
 
     def main():
-        from carpool.distributed.executor import ExecutorError
+        from carpool.executor import ExecutorError
         from carpool.engine import LLMEngine
         from carpool.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
 
 @pytest.mark.parametrize("field, value", [
     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1), ("use_beam_search", True),
+    ("prompt_logprobs", 1), ("use_beam_search", True),
     ("tool_choice", "required"),
 ])
 def test_fields_that_would_change_the_output_are_refused(served, field, value):
@@ -67,3 +67,37 @@ def test_responses_validate_against_the_openai_types(served):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks and all(ChatCompletionChunk.model_validate(c) for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_vllm_serve_command_line_parses_and_maps(caplog, monkeypatch):
+    from carpool.args import apply_vllm_engine_flags
+    from carpool.cli import build_parser, engine_config
+    from carpool.server.options import ServerOptions
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
+    monkeypatch.delenv("CARPOOL_API_KEY", raising=False)
+    args = build_parser().parse_args([
+        "serve", "some-model.gguf", "--gpu-memory-utilization", "0.85", "--kv-cache-memory-bytes", "1000000",
+        "--served-model-name", "a", "b", "--chat-template", "{{ messages[0].content }}", "--enforce-eager",
+        "--no-enable-chunked-prefill", "--allowed-origins", '["https://x.example"]', "--enable-log-requests",
+        "--metrics-namespace", "vllm"])
+    args.model = args.model_tag
+    caplog.set_level(logging.WARNING, logger="carpool")
+    config = apply_vllm_engine_flags(args, engine_config(args))
+    options = ServerOptions.from_args(args)
+    assert config.kv_cache_memory == 1_000_000 and config.model == "some-model.gguf"
+    assert options.api_key == "from-vllm-env" and options.served_model_name == ["a", "b"]
+    assert options.allowed_origins == ["https://x.example"] and options.enable_log_requests
+    assert options.chat_template_text() == "{{ messages[0].content }}" and options.metrics_namespace == "vllm"
+    text = " ".join(caplog.messages)
+    assert "--gpu-memory-utilization" in text and "--enforce-eager" in text and "chunked" in text
+
+
+def test_cors_and_chat_template(server_factory):
+    s = server_factory(allowed_origins=["https://app.example"], chat_template="[{{ messages[-1].content }}]")
+    r = httpx.options(s.v1 + "/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    tokens = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert s.engine.tokenizer.decode(tokens) == "[hi]"

@@ -14,6 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+from carpool.server.app import BODY_MODELS
+
 MAX_MODEL_LEN = 48  # bounds the work of any generated request: at most 4 choices x 48 tokens
 
 
@@ -35,7 +37,7 @@ def fuzz(api_schema, server, max_examples: int) -> int:
     """Every operation, valid bodies and then invalid ones; returns the number of calls."""
     calls = 0
     for operation in operations(api_schema):
-        has_body = operation.method.upper() == "POST"  # nothing can be invalid about a bare GET
+        has_body = operation.path in BODY_MODELS  # nothing can be invalid about a bare GET or /ping
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
             @settings(max_examples=max_examples, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))

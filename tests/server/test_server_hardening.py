@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from carpool.outputs import RequestOutput
+from carpool.outputs import CompletionOutput, Logprob, RequestOutput
 from carpool.server.async_engine import AsyncLLMEngine, RequestGroup
 
 MODEL_NAME = "smol"
@@ -118,8 +118,9 @@ def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
 
 # ------------------------------------------------------------------ slow readers
 def _output(rid: str, new: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput(rid, None, [1], "".join(f"<{t}>" for t in new), new, "", [], finished,
-                         "length" if finished else None, new_logprobs=[{t: -1.0} for t in new])
+    choice = CompletionOutput(0, "", [], None, None, "length" if finished else None)
+    return RequestOutput(rid, None, [1], [choice], finished, new_text="".join(f"<{t}>" for t in new),
+                         new_token_ids=new, new_logprobs=[{t: Logprob(-1.0)} for t in new])
 
 
 def test_a_reader_that_stops_reading_holds_merged_deltas_not_a_queue():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from carpool.engine import IterationStats
-from carpool.outputs import RequestMetrics, RequestOutput
+from carpool.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from carpool.server.metrics import MIN_HISTORY, STALL_FACTOR, ServerMetrics
 
 
@@ -19,8 +19,9 @@ def fake_engine(running=0, waiting=0, preemptions=0, usage=0.0, queries=0, hits=
 def output(times, n_new=1, finished=False, reason=None, prompt_len=5):
     metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, token_times=list(times),
                              finished_time=times[-1] if finished else None, num_preemptions=0)
-    return RequestOutput("r", None, [1] * prompt_len, "x", [7] * n_new, "x" * len(times), [7] * len(times),
-                         finished, reason, metrics=metrics)
+    choice = CompletionOutput(0, "x" * len(times), [7] * len(times), None, None, reason)
+    return RequestOutput("r", None, [1] * prompt_len, [choice], finished, new_text="x", new_token_ids=[7] * n_new,
+                         metrics=metrics)
 
 
 def stats(duration):

@@ -30,7 +30,11 @@ def proc():
     cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--api-key", KEY,
            "--served-model-name", "tiny", "alias", "--dtype", "float32", "--num-threads", "1",
            "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+           # a typical `vllm serve` command line's flags: honoured, mapped or ignored with a warning
+           "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
+           "--disable-log-requests", "--enable-chunked-prefill", "--generation-config", "auto",
+           "--allowed-origins", '["http://localhost:3000"]', "--max-log-len", "100", "--disable-log-stats"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -1,0 +1,97 @@
+"""vLLM's engine arguments, as carpool takes them: honoured (an `EngineConfig` field of the same
+name), mapped (another name or unit for a field), or ignored with one warning each -- never a
+TypeError for an argument a vLLM script passes. `LLM(...)` uses this; `carpool serve` accepts the
+same names as flags."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from typing import Any
+
+from carpool.config import EngineConfig
+
+log = logging.getLogger("carpool")
+
+# vLLM name -> (EngineConfig field, conversion)
+MAPPED: dict[str, tuple[str, Any]] = {
+    "kv_cache_memory_bytes": ("kv_cache_memory", int),
+    "max_num_batched_tokens": ("max_num_batched_tokens", int),
+}
+# vLLM arguments with nothing to do here, and why (said once, in the warning).
+IGNORED: dict[str, str] = {
+    "gpu_memory_utilization": "size the KV cache with kv_cache_memory (bytes) instead",
+    "tokenizer": "carpool always uses the model's own tokenizer",
+    "tokenizer_mode": "carpool always uses the model's own tokenizer",
+    "trust_remote_code": "carpool runs no code from model folders",
+    "enforce_eager": "carpool's forward is always eager",
+    "swap_space": "preempted requests are recomputed, never swapped",
+    "cpu_offload_gb": "no offloading",
+    "revision": "models are local files",
+    "tokenizer_revision": "models are local files",
+    "enable_chunked_prefill": "chunked prefill is always on (Sarathi-Serve)",
+    "disable_log_stats": "carpool logs no periodic stats",
+    "max_seq_len_to_capture": "no CUDA graphs",
+    "disable_custom_all_reduce": "no custom all-reduce",
+    "hf_token": "nothing is downloaded",
+    "download_dir": "nothing is downloaded",
+    "task": "carpool only generates",
+    "generation_config": "carpool reads the model folder's own generation_config.json",
+    "compilation_config": "carpool's forward is always eager",
+}
+_warned: set[str] = set()
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """An EngineConfig from vLLM-style keyword arguments."""
+    names = {f.name for f in fields(EngineConfig)}
+    values: dict[str, Any] = {"model": model}
+    for key, value in kwargs.items():
+        if key in names:
+            values[key] = value
+        elif key in MAPPED:
+            name, convert = MAPPED[key]
+            values[name] = None if value is None else convert(value)
+        else:
+            warn_ignored(key, IGNORED.get(key, "not a carpool engine argument"))
+    if kwargs.get("enable_chunked_prefill") is False:
+        warn_ignored("enable_chunked_prefill=False", "chunked prefill is how carpool schedules; use "
+                     "scheduler='vllm' for whole-prompt prefills")
+    return EngineConfig(**values)
+
+
+def warn_ignored(name: str, why: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("ignoring %s: %s", name, why)
+
+
+def add_vllm_engine_flags(p) -> None:
+    """`vllm serve` engine flags with nothing to set here, or another name for a carpool flag;
+    `apply_vllm_engine_flags` honours or warns about them once parsed."""
+    import argparse
+
+    g = p.add_argument_group("accepted from vllm serve (mapped, or ignored with a warning)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="same as --kv-cache-memory, in bytes")
+    for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",
+                 "--generation-config", "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
+        g.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+        g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=argparse.SUPPRESS)
+
+
+def apply_vllm_engine_flags(args, config: EngineConfig) -> EngineConfig:
+    from dataclasses import replace
+
+    if args.kv_cache_memory_bytes is not None:
+        config = replace(config, kv_cache_memory=args.kv_cache_memory_bytes)
+    for name, why in IGNORED.items():
+        value = getattr(args, name, None)
+        if value is not None and not (name == "tokenizer" and value == config.model):
+            warn_ignored(f"--{name.replace('_', '-')}", why)
+    if getattr(args, "enable_chunked_prefill", None) is False:
+        warn_ignored("--no-enable-chunked-prefill", "chunked prefill is how carpool schedules; use "
+                     "--scheduler vllm for whole-prompt prefills")
+    return config

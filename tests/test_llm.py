@@ -1,0 +1,82 @@
+"""A script written against vLLM's documented offline API runs unchanged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from carpool import LLM, SamplingParams
+from carpool.args import engine_config
+from carpool.outputs import CompletionOutput, Logprob
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    # Arguments a vLLM user passes: honoured, mapped or ignored with a warning, never a TypeError.
+    return LLM(model=model_path, dtype="float32", gpu_memory_utilization=0.9, max_model_len=512,
+               enforce_eager=True, trust_remote_code=False, tokenizer=model_path, seed=0,
+               kv_cache_memory_bytes=64 << 20, enable_chunked_prefill=True)
+
+
+def test_vllm_script(llm):
+    prompts = ["Hello, my name is", "The capital of France is"]
+    outputs = llm.generate(prompts, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=2,
+                                                   ignore_eos=True))
+    assert [o.prompt for o in outputs] == prompts
+    for output in outputs:
+        assert [c.index for c in output.outputs] == [0, 1]
+        for c in output.outputs:
+            assert isinstance(c, CompletionOutput) and len(c.token_ids) == 8 and c.text
+            assert c.finish_reason == "length"
+            first = c.logprobs[0][c.token_ids[0]]
+            assert isinstance(first, Logprob) and first.rank >= 1 and first.decoded_token is not None
+            assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+        assert output.outputs[0].token_ids != output.outputs[1].token_ids  # seed + j per choice
+    again = llm.generate(prompts[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, ignore_eos=True))
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outputs[0].outputs]
+    chat = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=6, temperature=0))
+    assert chat[0].outputs[0].text
+    assert llm.get_tokenizer() is llm.llm_engine.tokenizer
+
+
+def test_chat_options(llm):
+    conversation = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue is"}]
+    cont = llm.apply_chat_template(conversation, continue_final_message=True)
+    assert llm.tokenizer.decode(cont).rstrip().endswith("Blue is")
+    custom = llm.apply_chat_template([{"role": "user", "content": "hi"}],
+                                     chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    assert llm.tokenizer.decode(custom) == "<hi>"
+
+
+def test_token_controls(llm):
+    base = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate("The capital of France is", base)[0].outputs[0]
+    first = plain.token_ids[0]
+    banned = llm.generate("The capital of France is",
+                          SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={first: -100}))
+    assert banned[0].outputs[0].token_ids[0] != first
+    allowed = [11, 12, 13]
+    only = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0.9, seed=1, allowed_token_ids=allowed))
+    assert set(only[0].outputs[0].token_ids) <= set(allowed)
+    word = plain.text.split()[0]
+    without = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                     bad_words=[word]))
+    assert word not in without[0].outputs[0].text.split()
+    short = llm.generate("one two three four five six seven eight", SamplingParams(
+        max_tokens=2, temperature=0, truncate_prompt_tokens=3))
+    assert len(short[0].prompt_token_ids) == 3
+
+
+def test_bad_params_fail_their_prompt_only(llm):
+    outs = llm.generate(["ok", "bad"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop_token_ids=[10**9])])
+    assert outs[0].outputs[0].finish_reason in ("stop", "length") and outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error"
+
+
+def test_engine_arguments_are_mapped_or_ignored_with_a_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="carpool")
+    config = engine_config("m.gguf", kv_cache_memory_bytes=1 << 20, swap_space=4, no_such_argument=1,
+                           max_num_seqs=8)
+    assert config.kv_cache_memory == 1 << 20 and config.max_num_seqs == 8
+    assert any("swap_space" in m for m in caplog.messages) and any("no_such_argument" in m for m in caplog.messages)
