@@ -4,6 +4,6 @@ from carpool.config import EngineConfig
 from carpool.engine import LLMEngine
 from carpool.llm import LLM
 from carpool.outputs import RequestOutput
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

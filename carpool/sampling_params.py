@@ -6,9 +6,10 @@ limits, so the HTTP API and the Python API refuse the same things."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 # Beyond these, sampling is uniform noise or numerically unsafe (1/penalty overflows bf16/fp32
 # logits into inf), so they are refused rather than silently clipped.
@@ -25,6 +26,58 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds are 64-bit
 # "delta": they hold only what this step added, as `new_text` / `new_token_ids` do; streaming
 # consumers use it so that a long generation costs O(length), not O(length^2).
 OutputKind = Literal["cumulative", "delta"]
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's shape): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a regular expression,
+    a list of `choice` strings, or a `grammar` (Lark or GBNF). Only the shape is checked here; the
+    engine compiles it against the tokenizer at add_request and raises ValueError naming what is
+    wrong (carpool/structured)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (compact output)
+    disable_additional_properties: bool = False  # objects without "additionalProperties" get false
+    whitespace_pattern: str | None = None  # regex for the whitespace JSON may hold
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a bool")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: 'json', 'json_object', 'regex', 'choice' or 'grammar'."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass
@@ -52,6 +105,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words never generated (each also with a leading space)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     prompt_logprobs: int | None = None  # not implemented yet: refused rather than ignored
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON, regex, ...)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
@@ -121,6 +175,11 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         if self.output_kind not in ("cumulative", "delta"):
             raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}")
 
