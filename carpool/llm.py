@@ -11,6 +11,7 @@ from carpool.args import engine_config
 from carpool.engine import LLMEngine
 from carpool.outputs import RequestOutput
 from carpool.sampling_params import SamplingParams
+from carpool.tools.template import apply_chat_template
 
 Message = dict[str, str]
 
@@ -76,11 +77,11 @@ class LLM:
     def apply_chat_template(self, messages: list[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             tools: list[dict] | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, chat_template=chat_template, tools=tools, tokenize=True,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        """Token ids of one conversation. `tools` (OpenAI's function definitions) reach the template;
+        a template that ignores tools gets them written into the system message (carpool/tools)."""
+        return apply_chat_template(self.tokenizer, messages, tools=tools, chat_template=chat_template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -49,6 +49,15 @@ def test_chat_options(llm):
     assert llm.tokenizer.decode(custom) == "<hi>"
 
 
+def test_chat_passes_tools_to_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "Weather in Paris?"}]
+    ids = llm.apply_chat_template(conversation, tools=tools)
+    assert '"get_weather"' in llm.tokenizer.decode(ids)  # SmolLM2's template ignores tools: they go into the system turn
+    out = llm.chat(conversation, SamplingParams(max_tokens=2, temperature=0), tools=tools, use_tqdm=False)
+    assert out[0].prompt_token_ids == ids
+
+
 def test_token_controls(llm):
     base = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     plain = llm.generate("The capital of France is", base)[0].outputs[0]

@@ -1,17 +1,28 @@
-"""POST /v1/chat/completions: messages through the model's chat template, n choices."""
+"""POST /v1/chat/completions: messages through the model's chat template, n choices.
+
+With tools, each choice's text goes through a tool parser (carpool/tools): the parser the server
+was started with for tool_choice "auto", the forced-call parser for "required" or a named
+function, whose output is held to the call's JSON schema while it is decoded."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from carpool.outputs import Logprob
+from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 from carpool.server.async_engine import Delta
 from carpool.server.protocol import APIError, ChatCompletionRequest, parse_request
 from carpool.server.serving import Prepared, ServingContext, finite, usage
+from carpool.tools.forced import forced_output_parser, forced_schema
+from carpool.tools.parsers import ToolCallDelta, ToolParser, get_tool_parser
+
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
 
 def prepare(ctx: ServingContext, body: bytes) -> Prepared:
@@ -20,7 +31,10 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     ctx.warn_unknown_fields(req)
     ctx.check_model(req.model)
     ctx.check_num_choices(1, req.n)
-    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
+    tools = req.tool_dicts
+    if tools and req.effective_tool_choice == "auto" and not ctx.options.enable_auto_tool_choice:
+        raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
+    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools)
     if not ids:
         raise APIError("messages: the conversation has no tokens", param="messages")
     if req.truncate_prompt_tokens:
@@ -29,8 +43,31 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     ctx.check_length(len(ids), requested, "messages")
     max_tokens = requested if requested is not None else ctx.max_model_len - len(ids)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    entries = [(ids, ctx.sampling_params(req, max_tokens, j, logprobs)) for j in range(req.n)]
+    entries = [(ids, forced_call(req, ctx.sampling_params(req, max_tokens, j, logprobs))) for j in range(req.n)]
     return Prepared(req, [(None, ids)], entries, request_id=f"chatcmpl-{uuid.uuid4().hex}")
+
+
+def forced_call(req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    """tool_choice "required" or a named function: decode under the call's JSON schema."""
+    choice = req.effective_tool_choice
+    if choice in ("none", "auto") or not req.tools:
+        return params
+    schema = forced_schema(req.tool_dicts, choice, req.parallel_tool_calls)
+    return replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def tool_parser(ctx: ServingContext, req: ChatCompletionRequest) -> ToolParser | None:
+    """A fresh parser for one choice's text, or None when the text is only content."""
+    choice = req.effective_tool_choice
+    if not req.tools or choice == "none":
+        return None
+    if choice == "auto":
+        return get_tool_parser(ctx.options.tool_call_parser)()
+    return forced_output_parser(choice)
+
+
+def tool_calls_delta(calls: list[ToolCallDelta], parallel: bool) -> list[dict]:
+    return [c.to_openai() for c in calls if parallel or c.index == 0]
 
 
 def logprobs_content(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
@@ -62,12 +99,25 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                                       "logprobs": None, "finish_reason": None}], **extra)
                  for i in range(len(group))]
 
+        parsers = [tool_parser(ctx, req) for _ in range(len(group))]
+        called = [False] * len(group)
+
         def chunk(i: int, d: Delta) -> dict | None:
-            if not d.text and not d.finished and not (req.logprobs and d.token_ids):
+            delta: dict = {"content": d.text} if d.text else {}
+            parser = parsers[i]
+            if parser is not None:  # text goes through the parser: content and call pieces
+                parsed = parser.feed(d.text)
+                if d.finished:
+                    parsed.add(parser.finish())
+                calls = tool_calls_delta(parsed.tool_calls, req.parallel_tool_calls)
+                called[i] = called[i] or bool(calls)
+                delta = ({"content": parsed.content} if parsed.content else {}) | (
+                    {"tool_calls": calls} if calls else {})
+            if not delta and not d.finished and not (req.logprobs and d.token_ids):
                 return None
             lp = {"content": logprobs_content(ctx, d.token_ids, d.logprobs, top)} if req.logprobs else None
-            choice = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                      "finish_reason": d.finish_reason if d.finished else None,
+            choice = {"index": i, "delta": delta, "logprobs": lp,
+                      "finish_reason": finish_reason(d.finish_reason, called[i]) if d.finished else None,
                       "stop_reason": d.stop_reason if d.finished else None}
             return dict(base, choices=[choice], **extra)
 
@@ -77,11 +127,27 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
         return ctx.stream(group, p.request_id, first, chunk, usage_chunk if extra else None)
 
     finals = await ctx.collect(group, raw, p.request_id)
-    choices = [{"index": i, "message": {"role": "assistant", "content": echo + c.text},
-                "logprobs": {"content": logprobs_content(ctx, c.token_ids, c.logprobs, top)} if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, c in enumerate(finals)]
+    choices = []
+    for i, c in enumerate(finals):
+        message, called = {"role": "assistant", "content": echo + c.text}, False
+        parser = tool_parser(ctx, req)
+        if parser is not None:
+            parsed = parser.parse(c.text)
+            calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
+            if calls:
+                called = True
+                message = {"role": "assistant", "content": (echo + (parsed.content or "")) or None,
+                           "tool_calls": [call.to_openai() for call in calls]}
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": logprobs_content(ctx, c.token_ids, c.logprobs, top)}
+                        if req.logprobs else None,
+                        "finish_reason": finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
     return JSONResponse({"id": p.request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
                          "choices": choices,
                          "usage": usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals),
                                         p.cached_tokens({i: c.num_cached_tokens for i, c in enumerate(finals)}))})
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended by itself after calling tools ends with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if called and reason == "stop" else reason

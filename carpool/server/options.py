@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from carpool.server.protocol import MAX_N
+from carpool.tools.parsers import TOOL_PARSERS, get_tool_parser
 
 
 @dataclass
@@ -28,6 +29,8 @@ class ServerOptions:
     allow_credentials: bool = False
     allowed_methods: list[str] | None = None
     allowed_headers: list[str] | None = None
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of the text...
+    tool_call_parser: str | None = None  # ...with this parser (carpool/tools/parsers.py)
     enable_log_requests: bool = False  # log each request's prompt, cut to max_log_len characters
     max_log_len: int | None = None
     shutdown_timeout: float = 30.0
@@ -41,6 +44,10 @@ class ServerOptions:
             raise ValueError("max_request_body_bytes must be >= 1024")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
 
     def model_names(self, model_path: str) -> list[str]:
         """Names clients may ask for: --served-model-name, else the model's repo id or file or
@@ -96,6 +103,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "and gateways that read vllm:num_requests_waiting work unchanged")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the model's own)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='answer tool_choice "auto" (the default when tools are given) by parsing the '
+                        "model's calls out of its text; needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>)")
     g.add_argument("--allowed-origins", type=json_list, default=None,
                    help='CORS origins, as a JSON list, e.g. \'["https://app.example"]\' (default: none)')
     g.add_argument("--allow-credentials", action="store_true")

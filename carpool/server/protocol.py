@@ -7,9 +7,10 @@ OpenAI API (the official `openai` package included) see the errors they expect.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from carpool.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
@@ -49,6 +50,7 @@ StrictInt = Annotated[int, Field(strict=True)]
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 TokenIds = list[TokenId]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 
 
 class _Strict(BaseModel):
@@ -63,7 +65,8 @@ class StreamOptions(_Strict):
 # Fields that vLLM or OpenAI define and that would change the output, but that carpool does not
 # implement: a request that sets one gets a 400 naming it, never text that ignored it. Fields
 # nobody here knows (vendor extras such as llama.cpp's `cache_prompt`) are ignored, as vLLM does,
-# and logged once by name.
+# and logged once by name. Only undeclared fields are checked: chat declares `tool_choice`, so it
+# is refused on /v1/completions alone.
 UNSUPPORTED_FIELDS = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "use_beam_search", "length_penalty",
@@ -165,11 +168,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = ""  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        if v.strip():
+            json.loads(v)  # a ValueError names messages.N.tool_calls.M.function.arguments
+        return v
+
+
+class ToolCallParam(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages make tool calls")
+        return self
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (carpool/tools/template.py parses the arguments)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
     def text(self) -> str:
         if self.content is None:
@@ -179,24 +217,64 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: not supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: needs tools; none were given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is not among the tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """"none", "auto", "required", or the named choice as a dict."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -35,6 +35,8 @@ from carpool.server.async_engine import (AsyncLLMEngine, Delta, EngineDeadError,
 from carpool.server.metrics import ServerMetrics
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
+from carpool.tools.parsers import get_tool_parser
+from carpool.tools.template import apply_chat_template
 
 log = logging.getLogger("carpool.server")
 
@@ -183,17 +185,16 @@ class ServingContext:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool) -> list[int]:
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in messages]
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        fmt = get_tool_parser(self.options.tool_call_parser or "hermes")
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, chat_template=self.chat_template)
+            return apply_chat_template(self.tokenizer, [m.to_template() for m in messages], tools=tools,
+                                       chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+                                       tool_format=fmt)
         except Exception as exc:  # the template itself may reject a conversation
             log.info("chat template rejected a conversation: %s", exc)
             raise APIError("messages: the model's chat template rejected this conversation "
                            "(check the order of roles)", param="messages") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         limit = self.max_model_len

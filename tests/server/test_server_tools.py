@@ -1,0 +1,169 @@
+"""Tool calling on /v1/chat/completions, through the official `openai` client.
+
+The embedded 135M model does not call tools by itself, so calls come from tool_choice "required"
+and named functions, whose output is decoded under the call's JSON schema; the parsing of free
+text ("auto") is checked against the same model's raw text, and tests/tools/ check the parser on
+crafted text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from carpool.server.chat import AUTO_NEEDS_FLAGS
+from carpool.tools import HermesToolParser
+from tests.tools.templates import TOOLS_TEMPLATE
+
+CITIES = ["Paris", "Rome", "Tokyo"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Tokyo?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+GREEDY = dict(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tool_server(server_factory):
+    return server_factory(enable_auto_tool_choice=True, tool_call_parser="hermes", chat_template=TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.v1, api_key="unused", max_retries=0)
+
+
+def post(served, **body) -> httpx.Response:
+    return httpx.post(served.v1 + "/chat/completions", json={"messages": ASK, **GREEDY, **body}, timeout=120)
+
+
+def assemble(chunks: list[ChatCompletionChunk]) -> tuple[str, list[dict], str | None]:
+    """What a streaming client builds from the chunks: content, calls, finish_reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            d = choice.delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                if tc.index not in calls:  # a call's first piece: id, type and name
+                    assert tc.id and tc.type == "function" and tc.function.name
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    assert tc.id is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert list(calls) == list(range(len(calls)))
+    return content, list(calls.values()), finish
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": {"type": "function"}}, "tools"),  # not a list
+    ({"tools": [{"type": "function"}]}, "tools"),  # no function
+    ({"tools": [{"type": "code_interpreter", "function": WEATHER["function"]}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),  # the same name twice
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]}, "messages"),
+])
+def test_bad_tools_are_refused_naming_the_field(served, body, param):
+    r = post(served, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_auto_needs_the_server_flags(served):
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):  # "auto" is the default with tools
+        r = post(served, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert r.json()["error"]["message"] == AUTO_NEEDS_FLAGS
+    r = post(served, tools=TOOLS, tool_choice="none", max_tokens=3)  # tools shown to the model, nothing parsed
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+def test_named_function_is_called(tool_server, client):
+    r = post(tool_server, tools=TOOLS, tool_choice=NAMED)
+    body = ChatCompletion.model_validate(r.json())
+    choice = body.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["city"] in CITIES
+    # Streamed: the same call (greedy), its name first, then the arguments in pieces.
+    chunks = list(client.chat.completions.create(model=tool_server.model_name, messages=ASK, tools=TOOLS,
+                                                 tool_choice=NAMED, stream=True, **GREEDY))
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c.model_dump())
+    content, calls, finish = assemble(chunks)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
+
+
+def test_required_makes_at_least_one_call(tool_server, client):
+    made = {}
+    for parallel in (True, False):
+        r = client.chat.completions.create(model=tool_server.model_name, messages=ASK, tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=parallel, **GREEDY)
+        calls = made[parallel] = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "get_time")
+            assert args == {"city": args["city"]} if call.function.name == "get_weather" else {"zone": args["zone"]}
+    stream = client.chat.completions.create(model=tool_server.model_name, messages=ASK, tools=TOOLS,
+                                            tool_choice="required", stream=True, **GREEDY)
+    _, streamed, finish = assemble(list(stream))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments)
+                                                               for c in made[True]]
+
+
+def test_auto_parses_the_models_own_text(tool_server, client):
+    """With "none" the text comes back as written; with "auto" it is that text, parsed."""
+    def ask(choice, stream=False):
+        return client.chat.completions.create(model=tool_server.model_name, messages=ASK, tools=TOOLS,
+                                              tool_choice=choice, stream=stream, **GREEDY)
+
+    raw = ask("none").choices[0].message.content
+    expected = HermesToolParser().parse(raw)
+    auto = ask("auto").choices[0].message
+    assert auto.content == expected.content
+    assert [(c.function.name, c.function.arguments) for c in auto.tool_calls or []] == [
+        (c.name, c.arguments) for c in expected.tool_calls]
+    content, calls, _ = assemble(list(ask("auto", stream=True)))
+    assert content == (expected.content or "")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in expected.tool_calls]
+
+
+def test_multi_turn_exchange(tool_server, client):
+    """A call, its result, then the final answer: the assistant's calls and the tool's result go
+    back through the template."""
+    first = client.chat.completions.create(model=tool_server.model_name, messages=ASK, tools=TOOLS,
+                                           tool_choice=NAMED, **GREEDY)
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    history = ASK + [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    final = client.chat.completions.create(model=tool_server.model_name, messages=history, tools=TOOLS,
+                                           tool_choice="auto", temperature=0, max_tokens=8)
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    # The prompt held the call with its arguments as an object, and the result.
+    ids = httpx.post(tool_server.url + "/tokenize", json={"messages": history}).json()["tokens"]
+    prompt = httpx.post(tool_server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert f'{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' in prompt
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+    assert final.usage.prompt_tokens > len(ids)  # and the tools, in the system turn
