@@ -222,7 +222,8 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
         req: TokenizeRequest = parse_request(TokenizeRequest, body)
         ctx.check_model(req.model)
         if req.messages is not None:
-            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools)
         else:
             ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

@@ -52,6 +52,9 @@ def forced_call(req: ChatCompletionRequest, params: SamplingParams) -> SamplingP
     choice = req.effective_tool_choice
     if choice in ("none", "auto") or not req.tools:
         return params
+    if params.structured_outputs is not None:
+        raise APIError(f"tool_choice: {choice!r} cannot be combined with another structured output",
+                       param="tool_choice")
     schema = forced_schema(req.tool_dicts, choice, req.parallel_tool_calls)
     return replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
@@ -86,7 +89,14 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     arrival = time.monotonic()
     p = await ctx.off_loop(prepare, ctx, await raw.body())
     req: ChatCompletionRequest = p.req
-    group = await ctx.submit(p, arrival, "messages")
+    try:
+        group = await ctx.submit(p, arrival, "messages")
+    except APIError as e:  # the engine compiles a forced call's schema: a bad one is the tools' fault
+        if e.status != 400 or "structured_outputs" not in e.message or req.effective_tool_choice in ("none", "auto"):
+            raise
+        detail = e.message.split("structured_outputs.json", 1)[-1].lstrip(" :").removeprefix("is invalid: ")
+        raise APIError(f"tools: the function parameters are not a JSON schema that can be enforced: {detail}",
+                       param="tools") from None
     top = req.top_logprobs or 0
     # With echo, an assistant message at the end is continued: its text leads the answer.
     echo = req.messages[-1].text() if req.echo and req.messages[-1].role == "assistant" else ""

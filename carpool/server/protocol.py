@@ -285,6 +285,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None  # with messages, as chat does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

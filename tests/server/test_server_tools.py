@@ -75,6 +75,11 @@ def assemble(chunks: list[ChatCompletionChunk]) -> tuple[str, list[dict], str | 
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),  # parameters that are no schema, found when they are enforced
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 5,
+                                                                             "maximum": 2}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
@@ -161,9 +166,10 @@ def test_multi_turn_exchange(tool_server, client):
     final = client.chat.completions.create(model=tool_server.model_name, messages=history, tools=TOOLS,
                                            tool_choice="auto", temperature=0, max_tokens=8)
     assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
-    # The prompt held the call with its arguments as an object, and the result.
-    ids = httpx.post(tool_server.url + "/tokenize", json={"messages": history}).json()["tokens"]
+    # The prompt held the tools, the call with its arguments as an object, and the result.
+    ids = httpx.post(tool_server.url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+    assert final.usage.prompt_tokens == len(ids)
     prompt = httpx.post(tool_server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert json.dumps(TIME) in prompt
     assert f'{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' in prompt
     assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
-    assert final.usage.prompt_tokens > len(ids)  # and the tools, in the system turn
