@@ -26,6 +26,8 @@ from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler
 from carpool.sampling_params import SamplingParams
+from carpool.structured import StructuredOutputs
+from carpool.structured.masks import MaskJob
 from carpool.tokenizer import load_tokenizer
 
 log = logging.getLogger("carpool")
@@ -82,10 +84,12 @@ class LLMEngine:
         self.runner = ex.runner
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.iteration_stats: deque[IterationStats] = deque(maxlen=100_000)
         self._ids = itertools.count()
-        self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()  # submitted, not collected
+        # Submitted, not collected: each batch with its start time and its grammar masks' job.
+        self._in_flight: deque[tuple[ScheduledBatch, float, MaskJob | None]] = deque()
         self._dead: str | None = None  # why the parallel workers failed; the engine then refuses work
         # Steps in a row whose batch failed as a whole: a sticky fault (a broken device) shows
         # as a run of these, which the server treats as the engine being dead.
@@ -155,6 +159,8 @@ class LLMEngine:
                 seq = self.tokenizer.encode(variant, add_special_tokens=False)
                 if seq and seq not in request.bad_words_token_ids:
                     request.bad_words_token_ids.append(seq)
+        if sp.structured_outputs is not None:
+            request.grammar = self.structured.matcher(sp.structured_outputs)  # ValueError if invalid
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request_id] = request
@@ -197,20 +203,22 @@ class LLMEngine:
                 ex.submit(batch)
             except ExecutorError as exc:
                 self._die(exc)
+            masks = self.structured.start_masks(batch)  # computed while the model runs
             if ex.max_in_flight > 1:
                 self.scheduler.mark_in_flight(batch)
-            self._in_flight.append((batch, start))
+            self._in_flight.append((batch, start, masks))
             start = time.monotonic()
         if not self._in_flight:
             return []
-        batch, start = self._in_flight.popleft()
+        batch, start, masks = self._in_flight.popleft()
         num_decode, num_prefill = batch.num_decode_tokens, batch.num_prefill_tokens
         try:
             logits = ex.collect()
             if ex.max_in_flight > 1:
                 logits = self._drop_aborted(batch, logits)
             ready = self.scheduler.commit(batch)
-            tokens, logprobs, errors = self.sampler(logits, ready) if ready else ([], [], [])
+            grammar = masks.masks_for(ready) if masks is not None else None
+            tokens, logprobs, errors = self.sampler(logits, ready, grammar) if ready else ([], [], [])
         except ExecutorError as exc:
             self._die(exc)
         except Exception as exc:  # fail this batch's requests; the engine keeps serving others
@@ -222,9 +230,14 @@ class LLMEngine:
             if error is not None:  # this row alone failed to sample; the others go on
                 outputs.append(self._fail_request(request, error))
                 continue
+            if request.grammar is not None and (error := self.structured.accept(request, token)):
+                outputs.append(self._fail_request(request, error))
+                continue
             if lp is not None:
                 self.outputs.append_logprobs(request, token, lp)
             status = self.outputs.append_token(request, token, now)
+            if status is None and request.grammar is not None and self.structured.is_complete(request):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
             if status is not None:
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
@@ -269,6 +282,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the parallel workers, if any (a no-op for a single-process engine)."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
         self.num_consecutive_failed_steps += 1

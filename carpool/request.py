@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,7 @@ class Request:
     cumulative_logprob: float = 0.0  # of the sampled tokens (kept when logprobs are asked for)
     generator: torch.Generator | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine (tokenizer)
+    grammar: Any = None  # structured outputs: the request's llguidance matcher (carpool/structured)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

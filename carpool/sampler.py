@@ -11,6 +11,7 @@ import torch
 
 from carpool.outputs import Logprob
 from carpool.request import Request
+from carpool.structured.masks import GrammarMasks
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -83,10 +84,11 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]
+    def __call__(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMasks | None = None
                  ) -> tuple[list[int | None], list[dict[int, Logprob] | None], list[str | None]]:
         """Returns per row: the token (None if the row failed), its logprobs entry, and the
-        error of a failed row."""
+        error of a failed row. `grammar` holds the allowed tokens of constrained rows (applied
+        last, so that nothing re-allows a token the grammar forbids)."""
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
@@ -96,6 +98,9 @@ class Sampler:
         mask_stops_before_min_tokens(logits, requests)
 
         errors: list[str | None] = [None] * len(requests)
+        for i in grammar.apply(logits) if grammar is not None else ():
+            errors[i] = ("sampling failed: no token the structured output allows is left (min_tokens, "
+                         "logit_bias, allowed_token_ids or bad_words exclude them all)")
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
         for i in torch.nonzero(torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)).flatten().tolist():
             errors[i] = "sampling failed: the logits became NaN or infinite (check the penalties)"

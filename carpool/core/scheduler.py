@@ -107,6 +107,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.in_flight.discard(request)
         self.block_manager.free(request)
+        request.grammar = None  # a structured-output matcher is freed with the request's blocks
         request.status = status
         request.finished_time = self.clock()
 

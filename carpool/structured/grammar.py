@@ -1,0 +1,100 @@
+"""Compile a request's StructuredOutputsParams into a matcher that knows which tokens may come next.
+
+The engine is llguidance (Microsoft's constrained-decoding library, also a vLLM backend), chosen
+over xgrammar and outlines-core because it:
+  * needs nothing else installed and builds its view of the vocabulary from the HF tokenizer
+    carpool already has (0.4 s, once per engine);
+  * compiles a grammar lazily (Earley parser over a lazily built lexer), so a new schema costs
+    about a millisecond at add_request instead of an up-front automaton over the whole vocabulary,
+    and a bad schema is reported there, by name, before the request is queued;
+  * takes JSON schema, regex, choice lists and Lark/GBNF grammars through one API, and computes a
+    row's mask with the GIL released, so masks overlap the forward pass (carpool/structured/bitmask.py).
+`carpool bench structured` measures what this costs per decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+from carpool.sampling_params import StructuredOutputsParams
+
+# Compiled grammars kept for reuse: a matcher copied from a cached one skips parsing the grammar
+# (clients usually send the same few schemas over and over).
+GRAMMAR_CACHE_SIZE = 256
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (JSON text) for a constraint. Raises ValueError when the
+    constraint cannot even be turned into a grammar (e.g. a schema that is not a JSON object)."""
+    import llguidance
+    from llguidance import LLMatcher
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(params.choice))
+    return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+
+
+class GrammarCompiler:
+    """Per engine: llguidance's view of the tokenizer (built on first use) and a cache of compiled
+    grammars. `matcher(params)` gives a fresh matcher for one request or raises ValueError."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width; may exceed the tokenizer's vocab
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, object] = OrderedDict()
+
+    @property
+    def tokenizer(self):
+        """llguidance's LLTokenizer over the model's vocabulary. Ids past the tokenizer's own
+        vocabulary (padding rows of the LM head) have no bytes, so no grammar ever allows them."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
+                        eos_token=self.eos_token_ids)
+                except ValueError as e:  # a slow (non-Rust) tokenizer
+                    raise ValueError(f"structured outputs need a fast tokenizer: {e}") from None
+            return self._tokenizer
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A matcher in its start state for `params`; ValueError naming the problem if the
+        schema, regex or grammar is invalid."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = grammar_text(params)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
+        template = self._cache.get(grammar)
+        if template is None:
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+            if is_error:
+                raise ValueError(f"structured_outputs.{params.kind} is invalid: {messages[0]}")
+            template = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs.{params.kind} is invalid: {template.get_error()}")
+            self._cache[grammar] = template
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+        return template.deep_copy()
