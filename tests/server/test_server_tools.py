@@ -154,6 +154,30 @@ def test_auto_parses_the_models_own_text(tool_server, client):
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in expected.tool_calls]
 
 
+def test_auto_call_streams_like_the_whole_answer(tool_server, client):
+    """A model that writes a Hermes call (held to that text by a regex constraint): the server
+    parses it out, whole and streamed alike, and the text before it stays content."""
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in text)
+    r = post(tool_server, tools=TOOLS, structured_outputs={"regex": regex}, max_tokens=64)
+    if r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs":
+        pytest.skip("this server does not take structured_outputs in requests yet")
+    message = ChatCompletion.model_validate(r.json()).choices[0].message
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert message.content == "Checking.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Tokyo"})]
+    r = httpx.post(tool_server.v1 + "/chat/completions", timeout=120, json={
+        "messages": ASK, **GREEDY, "max_tokens": 64, "tools": TOOLS, "structured_outputs": {"regex": regex},
+        "stream": True})
+    chunks = [ChatCompletionChunk.model_validate_json(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    content, calls, finish = assemble(chunks)
+    assert (content, finish) == ("Checking.\n", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                            for c in message.tool_calls]
+
+
 def test_multi_turn_exchange(tool_server, client):
     """A call, its result, then the final answer: the assistant's calls and the tool's result go
     back through the template."""
