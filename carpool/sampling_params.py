@@ -42,7 +42,6 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON without optional whitespace (compact output)
-    disable_additional_properties: bool = False  # objects without "additionalProperties" get false
     whitespace_pattern: str | None = None  # regex for the whitespace JSON may hold
 
     def __post_init__(self) -> None:
