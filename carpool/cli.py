@@ -22,6 +22,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)")
     g.add_argument("--scheduler", default="sarathi")
+    g.add_argument("--target-tbt-ms", type=float, default=None,
+                   help="sarathi: size each iteration's prefill so its predicted time stays within this "
+                        "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)")
+    g.add_argument("--cost-profile", default=None,
+                   help="a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes computed before (default: on)")
     g.add_argument("--num-threads", type=int, default=None,
@@ -42,6 +47,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         scheduler=args.scheduler, enable_prefix_caching=args.enable_prefix_caching,
+                        target_tbt_ms=args.target_tbt_ms, cost_profile=args.cost_profile,
                         num_threads=args.num_threads, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -138,6 +138,12 @@ class EngineConfig:
     scheduler: str = "sarathi"
     # Reuse the KV of full blocks whose whole prefix was computed before (core/block_manager.py).
     enable_prefix_caching: bool = True
+    # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler): each iteration's
+    # prefill is sized so the predicted step time stays within this many ms; the budget above
+    # becomes a cap. `cost_profile`: a `carpool profile` CSV that seeds the step-time fit (and
+    # the chunk sizes it snaps to); without one the fit starts from the engine's first steps.
+    target_tbt_ms: float | None = None
+    cost_profile: str | None = None
     num_threads: int | None = None  # torch threads (per worker process with TP/PP)
     seed: int = 0
     # Weight-only quantized linears on CPU (model/quant.py): none, int8, int4, or auto (a GGUF's
@@ -167,6 +173,11 @@ class EngineConfig:
 
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULERS)}")
+        if self.target_tbt_ms is not None:
+            if not (self.target_tbt_ms > 0 and self.target_tbt_ms < float("inf")):
+                raise ValueError(f"target_tbt_ms must be a positive number, got {self.target_tbt_ms}")
+            if self.scheduler != "sarathi":
+                raise ValueError(f"target_tbt_ms sizes sarathi's chunks; scheduler {self.scheduler!r} has none")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.tensor_parallel_size < 1:

@@ -41,6 +41,8 @@ class IterationStats:
     num_decode_tokens: int
     num_requests: int
     num_preempted: int
+    predicted_duration: float | None = None  # by an SLO-following policy, when it planned the step
+    slo_unreachable: bool = False  # its decodes alone were predicted over the target TBT
 
 
 class LLMEngine:
@@ -79,7 +81,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings,
                                  self.block_manager.capacity_tokens)
         self.scheduler = make_scheduler(config.scheduler, self.block_manager, config.max_num_batched_tokens,
-                                        config.max_num_seqs, self.max_model_len)
+                                        config.max_num_seqs, self.max_model_len, **self._step_cost_args(config))
         ex.init_kv_cache(num_blocks)
         self.runner = ex.runner
         self.sampler = Sampler(config.seed)
@@ -243,9 +245,26 @@ class LLMEngine:
                 del self.requests[request.request_id]
             outputs.append(self.outputs.make_output(request))
         self.num_consecutive_failed_steps = 0
-        self.iteration_stats.append(IterationStats(start, time.monotonic() - start, num_prefill,
-                                                   num_decode, len(batch), len(batch.preempted)))
+        duration = time.monotonic() - start
+        self.scheduler.observe(batch, duration)
+        self.iteration_stats.append(IterationStats(start, duration, num_prefill, num_decode, len(batch),
+                                                   len(batch.preempted), batch.predicted_time,
+                                                   batch.slo_unreachable))
         return outputs
+
+    def _step_cost_args(self, config: EngineConfig) -> dict:
+        """A target TBT for sarathi, with the step-time fit seeded from a profile if one is given."""
+        if config.target_tbt_ms is None:
+            return {}
+        from carpool.core.step_cost import StepCostModel
+
+        cost, sizes = StepCostModel(), None
+        if config.cost_profile:
+            from carpool.sim.cost_model import ProfiledCostModel, seeded_step_cost
+
+            profile = ProfiledCostModel.load(config.cost_profile)
+            cost, sizes = seeded_step_cost(profile, config.max_num_batched_tokens, self.max_model_len)
+        return {"target_tbt": config.target_tbt_ms / 1e3, "cost": cost, "chunk_sizes": sizes}
 
     def add_batch_observer(self, observe: Callable[[ScheduledBatch], None]) -> Callable[[], None]:
         """Call `observe(batch)` for every batch as it is submitted, before it runs (the

@@ -11,7 +11,7 @@ from carpool.sampling_params import SamplingParams
 
 @contextlib.contextmanager
 def scheduler_config(engine, budget: int = 512, max_num_seqs: int = 256, num_blocks: int | None = None,
-                     policy: str = "sarathi", prefix_caching: bool | None = None):
+                     policy: str = "sarathi", prefix_caching: bool | None = None, target_tbt: float | None = None):
     """Run the engine with another budget / a smaller KV cache (a prefix of its blocks), with a
     fresh prefix cache (on or off; default: as the engine's)."""
     saved = engine.scheduler, engine.block_manager
@@ -20,7 +20,7 @@ def scheduler_config(engine, budget: int = 512, max_num_seqs: int = 256, num_blo
     bm = BlockManager(num_blocks or engine.block_manager.num_blocks, engine.block_manager.block_size,
                       prefix_caching)
     engine.block_manager = bm
-    engine.scheduler = make_scheduler(policy, bm, budget, max_num_seqs, engine.max_model_len)
+    engine.scheduler = make_scheduler(policy, bm, budget, max_num_seqs, engine.max_model_len, target_tbt=target_tbt)
     try:
         yield engine
     finally:

@@ -117,7 +117,7 @@ class InProcessDriver:
                 time.sleep(max(0.0, pending[0][0] - time.monotonic()))
         end = time.monotonic()
         iterations = [IterationRecord(s.start_time, s.duration, s.num_prefill_tokens, s.num_decode_tokens,
-                                      s.num_requests, s.num_preempted)
+                                      s.num_requests, s.num_preempted, s.predicted_duration, s.slo_unreachable)
                       for s in engine.iteration_stats if s.start_time >= start]
         timelines = self._timelines(added, copy=True) + errors
         timelines.sort(key=lambda t: (t.arrival_time, int(t.request_id)))

@@ -67,6 +67,8 @@ class IterationRecord:
     num_decode_tokens: int
     num_requests: int = 0
     num_preempted: int = 0
+    predicted_duration: float | None = None  # an SLO-following policy's prediction when it planned it
+    slo_unreachable: bool = False  # its decodes alone were predicted over the policy's target
 
 
 def tbts(timeline: RequestTimeline) -> list[float]:
@@ -200,6 +202,7 @@ def iteration_summary(iterations: list[IterationRecord]) -> dict:
         else:
             kinds["decode_only"] += 1
     return {"count": len(iterations), "prefill_tokens": prefill, "decode_tokens": decode, **kinds,
+            "slo_unreachable": sum(bool(it.slo_unreachable) for it in iterations),
             "busy_time": float(sum(it.duration for it in iterations)),
             "duration": asdict(Distribution.of(it.duration for it in iterations)),
             "decode_only_median": decode_iteration_median(iterations)}
@@ -276,7 +279,8 @@ def write_report(out_dir: str | Path, summary: Summary, per_request: list[Reques
 
 
 def astuple_rest(it: IterationRecord) -> tuple:
-    return it.duration, it.num_prefill_tokens, it.num_decode_tokens, it.num_requests, it.num_preempted
+    return (it.duration, it.num_prefill_tokens, it.num_decode_tokens, it.num_requests, it.num_preempted,
+            it.predicted_duration, it.slo_unreachable)
 
 
 def load_timelines(path: str | Path) -> tuple[list[RequestTimeline], list[IterationRecord]]:

@@ -85,14 +85,18 @@ def int_list(text: str) -> list[int]:
 @dataclass(frozen=True)
 class SchedulerSpec:
     """`NAME[:BUDGET][@SLO]`: a policy, optionally its token budget, optionally the one SLO
-    (of a capacity run) it is meant for."""
+    (of a capacity run) it is meant for. `sarathi:dynamic`: the budget follows the SLO's TBT
+    target (or --target-tbt-ms) instead of a token count."""
 
     name: str
     budget: int | None = None
     slo: str | None = None
+    dynamic: bool = False
 
     @property
     def label(self) -> str:
+        if self.dynamic:
+            return f"{self.name}:dynamic"
         return self.name if self.budget is None else f"{self.name}:{self.budget}"
 
 
@@ -104,8 +108,13 @@ def scheduler_list(text: str) -> list[SchedulerSpec]:
         rest, _, slo = item.partition("@")
         name, _, budget = rest.partition(":")
         if not name:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME[:BUDGET][@SLO]")
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME[:BUDGET|:dynamic][@SLO]")
         b = None
+        if budget == "dynamic":
+            if name != "sarathi":
+                raise argparse.ArgumentTypeError(f"{item!r}: only sarathi has a dynamic (SLO-following) budget")
+            specs.append(SchedulerSpec(name, None, slo or None, dynamic=True))
+            continue
         if budget:
             try:
                 b = positive_int(budget)

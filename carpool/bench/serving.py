@@ -103,11 +103,21 @@ class Target:
 
         cfg = replace(self.base, scheduler=spec.name,
                       max_num_batched_tokens=spec.budget or self.base.max_num_batched_tokens)
+        if spec.dynamic:  # a placeholder target until the SLO's is known (follow_slo)
+            cfg = replace(cfg, target_tbt_ms=cfg.target_tbt_ms or 1e3)
+        else:
+            cfg = replace(cfg, target_tbt_ms=None, cost_profile=None)
         engine = LLMEngine(cfg)
         self._tokenizer = self._tokenizer or engine.tokenizer
         self.max_model_len = engine.max_model_len
         driver = InProcessDriver(engine)
-        return driver, f"{spec.name}:{cfg.max_num_batched_tokens}"
+        return driver, spec.label if spec.dynamic else f"{spec.name}:{cfg.max_num_batched_tokens}"
+
+    def follow_slo(self, driver, spec: SchedulerSpec | None, tbt: float) -> None:
+        """A `sarathi:dynamic` engine targets `tbt` seconds, unless --target-tbt-ms fixed its target."""
+        if spec is not None and spec.dynamic and not self.base.target_tbt_ms:
+            driver.engine.scheduler.set_target(tbt)
+            say(f"  {spec.label}: target TBT {tbt * 1e3:.1f} ms")
 
     @staticmethod
     def check_workload(cfg: WorkloadConfig) -> None:
@@ -249,6 +259,8 @@ def run_serving(args, base: EngineConfig | None, default_schedulers: list[Schedu
             ctx = int(statistics.median(s.prompt_len for s in target.workload(workload_config(args, qps=qps_list[0]))))
             reference = reference_decode_time(driver, target.prompts, ctx, args=args)
             say(f"reference single-request decode iteration: {reference * 1e3:.1f} ms (context {ctx})")
+        if not target.online:
+            target.follow_slo(driver, spec, parse_slo("strict", reference).tbt_p99)
         for qps in qps_list:
             wcfg = workload_config(args, qps=qps)
             workload = target.workload(wcfg)
@@ -365,6 +377,17 @@ class CapacityRunner:
         return Evaluation(qps, passed, reason, metrics, secs)
 
 
+def dynamic_report(driver) -> dict:
+    """What an SLO-following engine learned and did: its fitted step-time coefficients and margin,
+    and how many of its iterations so far (all runs of this engine) had an unreachable target."""
+    sched = getattr(getattr(driver, "engine", None), "scheduler", None)
+    cost = getattr(sched, "cost", None)
+    if cost is None:
+        return {}
+    return {"target_tbt": sched.target_tbt, "step_cost": cost.coefficients(), "step_cost_margin": cost.margin,
+            "slo_unreachable_iterations": sched.num_slo_unreachable}
+
+
 def capacity_settings(args) -> None:
     """Fill the search sizes not given on the command line from the quick or full preset."""
     preset = QUICK if args.quick else FULL
@@ -402,6 +425,9 @@ def run_capacity(args, base: EngineConfig | None, specs: list[SchedulerSpec] | N
             if spec is not None and spec.slo is not None and spec.slo != slo_name:
                 continue
             slo = parse_slo(slo_name, reference, args.scheduling_delay)
+            if spec is not None and spec.dynamic:  # runs under another target are no use here
+                target.follow_slo(driver, spec, slo.tbt_p99)
+                runner.cache.clear()
             say(f"== {label}, {slo_name} SLO: P99 TBT <= {slo.tbt_p99 * 1e3:.0f} ms, "
                 f"P50 scheduling delay <= {slo.scheduling_delay_p50:g} s")
             res: CapacityResult = search_capacity(partial(runner.evaluate, slo=slo), args.start_qps,
@@ -410,7 +436,8 @@ def run_capacity(args, base: EngineConfig | None, specs: list[SchedulerSpec] | N
             say(f"  capacity {res.capacity:.3f} QPS (bracket {fmt(res.lower, 1, 3)}..{fmt(res.upper, 1, 3)}, "
                 f"resolution {fmt(res.resolution, 1, 3)} QPS{'' if res.converged else ', NOT converged'})")
             results.append({"label": label, "slo": slo_name, "tbt_slo": slo.tbt_p99,
-                            "scheduling_delay_bound": slo.scheduling_delay_p50, **res.to_dict()})
+                            "scheduling_delay_bound": slo.scheduling_delay_p50, **res.to_dict(),
+                            **dynamic_report(driver)})
         curves[label] = sorted(runner.curve.values(), key=lambda p: p["qps"])
         del driver, runner
         gc.collect()

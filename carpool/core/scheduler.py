@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from carpool.core.block_manager import BlockManager
+from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel
 from carpool.request import Request, RequestStatus
 
 
@@ -35,6 +36,11 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)
     is_decode: list[bool] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Set by policies that plan in time (SloSarathiScheduler): the shape as planned, its
+    # predicted seconds, and whether even its decodes alone were predicted over the target.
+    shape: BatchShape | None = None
+    predicted_time: float | None = None
+    slo_unreachable: bool = False
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
@@ -67,7 +73,8 @@ class ScheduledBatch:
         """Decodes first: the model runner batches their attention together."""
         order = sorted(range(len(self.requests)), key=lambda i: not self.is_decode[i])
         return ScheduledBatch([self.requests[i] for i in order], [self.num_tokens[i] for i in order],
-                              [self.is_decode[i] for i in order], self.preempted)
+                              [self.is_decode[i] for i in order], self.preempted, self.shape,
+                              self.predicted_time, self.slo_unreachable)
 
 
 class Scheduler:
@@ -126,6 +133,10 @@ class Scheduler:
             self.in_flight.difference_update(batch.requests)
         return ready
 
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The batch took `seconds` (measured by the engine, or simulated); policies that
+        predict step times learn from it."""
+
     def mark_in_flight(self, batch: ScheduledBatch) -> None:
         """The batch was submitted to a pipeline: hold its requests until `commit`."""
         self.in_flight.update(batch.requests)
@@ -139,6 +150,11 @@ class Scheduler:
     # ------------------------------------------------------------ primitives for policies
     def budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.total_tokens
+
+    def chunk_size(self, start: int, remaining: int, batch: ScheduledBatch) -> int:
+        """Tokens to grant a prompt whose next chunk starts at token `start` with `remaining`
+        tokens left, given what `batch` holds already: here, whatever the token budget leaves."""
+        return min(remaining, self.budget_left(batch))
 
     def preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, requeue at the front, refund any grant."""
@@ -220,7 +236,7 @@ class Scheduler:
     def continue_prefills(self, batch: ScheduledBatch) -> None:
         """Next chunk of each in-progress prompt, cut to the budget left."""
         for request in self.still_running(self.running_prefills()):
-            n = min(request.num_uncomputed_tokens, self.budget_left(batch))
+            n = self.chunk_size(request.num_computed_tokens, request.num_uncomputed_tokens, batch)
             if n <= 0:
                 break
             self.grant_running(request, n, batch)
@@ -230,7 +246,9 @@ class Scheduler:
         while self.waiting and self.budget_left(batch) > 0:
             request = self.waiting[0]
             cached, uncomputed = self.lookup(request)
-            if not self.admit(request, min(uncomputed, self.budget_left(batch)), batch, cached):
+            start = request.num_computed_tokens + len(cached) * self.block_manager.block_size
+            n = self.chunk_size(start, uncomputed, batch)
+            if n <= 0 or not self.admit(request, n, batch, cached):
                 break
 
     def admit_whole_prompts(self, batch: ScheduledBatch) -> None:
@@ -260,6 +278,74 @@ class SarathiScheduler(Scheduler):
         self.continue_prefills(batch)
         self.admit_chunks(batch)
         return batch.ordered()
+
+
+class SloSarathiScheduler(SarathiScheduler):
+    """Sarathi whose token budget follows a latency target instead of a fixed token count.
+
+    Each iteration schedules every running decode (never dropped), then gives each prefill the
+    longest chunk for which the *predicted* step time -- the decodes' count and contexts plus the
+    chunks so far, their lengths and cached prefixes -- stays within `target_tbt`. Predictions
+    come from a `StepCostModel` fitted online to the steps that ran (`observe`). When the decodes
+    alone are predicted over the target the step runs decodes only and is counted as
+    `slo_unreachable`; a step with no decodes still gets a small first chunk (else prompts would
+    starve). `max_num_batched_tokens` stays a hard cap, and a chunk never exceeds twice the
+    largest step the fit has seen (its trust region) until it has seen larger ones.
+    `chunk_sizes` snaps chunks to sizes the machine runs fastest, when a sweep shows slow ones."""
+
+    name = "sarathi"
+    MIN_CHUNK = 16  # the first chunk of a step without decodes, even when the target is unreachable
+
+    def __init__(self, *args, target_tbt: float, cost: StepCostModel | None = None,
+                 chunk_sizes: ChunkSizes | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_target(target_tbt)
+        self.cost = cost or StepCostModel()
+        self.chunk_sizes = chunk_sizes
+        self.num_slo_unreachable = 0
+
+    def set_target(self, target_tbt: float) -> None:
+        if not (target_tbt > 0 and target_tbt < float("inf")):
+            raise ValueError(f"target TBT must be a positive number of seconds, got {target_tbt}")
+        self.target_tbt = target_tbt
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self.schedule_decodes(batch)
+        decodes_only = BatchShape.of(batch)
+        if batch.requests and self.cost.upper(decodes_only) > self.target_tbt:
+            batch.slo_unreachable = True
+        else:
+            self.continue_prefills(batch)
+            self.admit_chunks(batch)
+        batch.shape = BatchShape.of(batch)
+        batch.predicted_time = self.cost.upper(batch.shape)
+        if batch.requests and batch.predicted_time > self.target_tbt:
+            batch.slo_unreachable = True
+        self.num_slo_unreachable += batch.slo_unreachable
+        return batch.ordered()
+
+    def chunk_size(self, start: int, remaining: int, batch: ScheduledBatch) -> int:
+        cap = min(remaining, self.budget_left(batch), self.cost.trusted_tokens() - batch.total_tokens)
+        if cap <= 0:
+            return 0
+        base = BatchShape.of(batch)
+        fits = lambda n: self.cost.upper(base.with_chunk(n, start, n == remaining)) <= self.target_tbt  # noqa: E731
+        lo, hi = 0, cap  # fits(lo) holds (no chunk); find the largest n <= cap that fits
+        if fits(hi):
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        n = lo
+        if n < remaining and self.chunk_sizes is not None and n > 0:
+            n = self.chunk_sizes.snap(n)
+        if n == 0 and not batch.requests:
+            n = min(cap, self.MIN_CHUNK)
+        return n
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        self.cost.observe(batch.shape or BatchShape.of(batch), seconds)
 
 
 class HybridOnlyScheduler(Scheduler):
@@ -342,7 +428,14 @@ SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (
 
 
 def make_scheduler(name: str, block_manager: BlockManager, max_num_batched_tokens: int,
-                   max_num_seqs: int, max_model_len: int | None = None) -> Scheduler:
+                   max_num_seqs: int, max_model_len: int | None = None, target_tbt: float | None = None,
+                   cost: StepCostModel | None = None, chunk_sizes: ChunkSizes | None = None) -> Scheduler:
+    """A policy by name; with `target_tbt` (seconds), sarathi's budget follows that target."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
+    if target_tbt is not None:
+        if name != "sarathi":
+            raise ValueError(f"a target TBT sets sarathi's token budget; scheduler {name!r} has none to set")
+        return SloSarathiScheduler(block_manager, max_num_batched_tokens, max_num_seqs, max_model_len,
+                                   target_tbt=target_tbt, cost=cost, chunk_sizes=chunk_sizes)
     return SCHEDULERS[name](block_manager, max_num_batched_tokens, max_num_seqs, max_model_len)

@@ -86,6 +86,9 @@ class ServerMetrics:
         self.generation_stalls = counter(
             "generation_stalls",
             f"Inter-token gaps longer than {STALL_FACTOR:g}x the median iteration time.")
+        self.slo_unreachable_iterations = counter(
+            "slo_unreachable_iterations",
+            "Iterations whose decodes alone were predicted over --target-tbt-ms (run decode-only).")
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens (prefill + decode) per engine iteration.",
                                      ITERATION_TOKEN_BUCKETS)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (from arrival).", TTFT_BUCKETS)
@@ -145,6 +148,8 @@ class ServerMetrics:
         if stats is not None:
             self._durations.append(stats.duration)
             self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
+            if stats.slo_unreachable:
+                self.slo_unreachable_iterations.inc()
         threshold = self.stall_threshold()
         for out in outputs:
             self._observe_output(out, threshold)

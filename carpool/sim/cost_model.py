@@ -23,31 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from carpool.core.scheduler import ScheduledBatch
-
-
-@dataclass(frozen=True)
-class BatchShape:
-    """What a cost model may know about an iteration."""
-
-    prefills: tuple[tuple[int, int], ...] = ()  # (chunk tokens, tokens already cached)
-    decode_contexts: tuple[int, ...] = ()  # context length of each decode, its new token included
-    num_sampled: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for n, _ in self.prefills) + len(self.decode_contexts)
-
-    @classmethod
-    def of(cls, batch: ScheduledBatch) -> BatchShape:
-        prefills, decodes, sampled = [], [], 0
-        for r, n, is_decode in zip(batch.requests, batch.num_tokens, batch.is_decode):
-            if is_decode:
-                decodes.append(r.num_computed_tokens + 1)
-            else:
-                prefills.append((n, r.num_computed_tokens))
-            sampled += r.num_computed_tokens + n == r.num_tokens
-        return cls(tuple(prefills), tuple(decodes), sampled)
+from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel, seed_shapes  # BatchShape re-exported
 
 
 class CostModel(Protocol):
@@ -198,3 +174,45 @@ class Profile:
             w = csv.writer(f)
             w.writerow(PROFILE_COLUMNS)
             w.writerows(self.rows)
+
+
+# ---------------------------------------------------------------- seeding the online fit
+
+def step_time(cost: CostModel, shape: BatchShape) -> float:
+    """A whole step through every pipeline stage (what one engine step measures without PP)."""
+    return sum(cost.stage_time(shape, s) for s in range(cost.num_stages))
+
+
+def chunk_sweep(cost: CostModel, max_tokens: int, step: int = 8) -> list[tuple[int, float]]:
+    """Step time of one prompt chunk alone, every `step` tokens up to `max_tokens`: the sweep
+    `ChunkSizes` snaps chunks by (tile-quantised GEMMs show as steps in it)."""
+    return [(n, step_time(cost, BatchShape(((n, 0),), (), 0))) for n in range(step, max_tokens + 1, step)]
+
+
+def seed_from(cost: CostModel, step_cost: StepCostModel, max_tokens: int, max_context: int) -> int:
+    """Seed an online step-cost fit with a profiled model's predictions (see `seed_shapes`)."""
+    return step_cost.seed(lambda shape: step_time(cost, shape), seed_shapes(max_tokens, max_context))
+
+
+@dataclass
+class FittedCostModel:
+    """A `StepCostModel` fitted on real steps, frozen, as a simulator's cost model (layers split
+    evenly over pipeline stages)."""
+
+    fit: StepCostModel
+    num_stages: int = 1
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        return max(self.fit.predict(shape), 0.0) / self.num_stages
+
+
+def seeded_step_cost(cost: CostModel, max_tokens: int, max_context: int, seed: bool = True,
+                     snap: bool = True) -> tuple[StepCostModel, ChunkSizes | None]:
+    """What an SLO-following sarathi starts from when a cost model is at hand (the engine's
+    --cost-profile, a simulated replica): the fit seeded with its predictions, and the chunk
+    sizes its sweep says run fastest."""
+    fit = StepCostModel()
+    if seed:
+        seed_from(cost, fit, max_tokens, max_context)
+    sizes = ChunkSizes.from_sweep(chunk_sweep(cost, max_tokens)) if snap and max_tokens >= 16 else None
+    return fit, sizes

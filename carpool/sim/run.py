@@ -35,7 +35,8 @@ def timelines(result: SimResult) -> list[RequestTimeline]:
 
 def iterations(result: SimResult) -> list[IterationRecord]:
     return [IterationRecord(mb.start, mb.end - mb.start, mb.batch.num_prefill_tokens, mb.batch.num_decode_tokens,
-                            len(mb.batch), len(mb.batch.preempted)) for mb in result.micro_batches]
+                            len(mb.batch), len(mb.batch.preempted), mb.batch.predicted_time,
+                            mb.batch.slo_unreachable) for mb in result.micro_batches]
 
 
 def chrome_trace(result: SimResult) -> dict:
@@ -106,11 +107,13 @@ def run_simulate(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"notes": notes, "reference_decode_s": ref, "schedulers": {}}
 
-    def run_once(scheduler: str, budget: int, qps: float | None) -> tuple[SimResult, list, list]:
+    def run_once(scheduler: str, budget: int, qps: float | None,
+                 target_tbt: float | None = None) -> tuple[SimResult, list, list]:
         specs = build_workload(workload_config(args, qps), SIM_PROMPTS)
         cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                             block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                            enable_prefix_caching=args.enable_prefix_caching)
+                            enable_prefix_caching=args.enable_prefix_caching, target_tbt=target_tbt,
+                            snap_chunks=args.snap_chunks)
         result = simulate(specs, cfg, cost, num_replicas=args.replicas)
         return result, timelines(result), iterations(result)
 
@@ -118,8 +121,12 @@ def run_simulate(args) -> dict:
     capacities: dict[str, dict[str, float]] = {}
     for spec in args.schedulers:
         budget = spec.budget or args.max_num_batched_tokens
+        # sarathi:dynamic: the target is --target-tbt-ms, else the strict SLO (each capacity
+        # search below sets its own SLO's)
+        target = (args.target_tbt_ms / 1e3 if args.target_tbt_ms else parse_slo("strict", ref).tbt_p99) \
+            if spec.dynamic else None
         t0 = time.perf_counter()
-        result, tl, its = run_once(spec.name, budget, args.qps)
+        result, tl, its = run_once(spec.name, budget, args.qps, target)
         runs[spec.label] = tl
         summary, per_request = summarize(tl, its, decode_time=ref)
         folder = out / spec.label
@@ -138,7 +145,9 @@ def run_simulate(args) -> dict:
 
             def evaluate(qps: float) -> Evaluation:
                 t = time.perf_counter()
-                _, tl_q, its_q = run_once(spec.name, budget, qps)
+                _, tl_q, its_q = run_once(spec.name, budget, qps,
+                                          (args.target_tbt_ms / 1e3 if args.target_tbt_ms else slo.tbt_p99)
+                                          if spec.dynamic else None)
                 s, _ = summarize(tl_q, its_q, decode_time=ref)
                 ok, why = slo.check(s)
                 return Evaluation(qps, ok, why, {"tbt_p99": s.tbt.p99, "scheduling_delay_p50": s.scheduling_delay.p50},
@@ -186,7 +195,11 @@ def add_simulate_args(p) -> None:
     g.add_argument("--replicas", type=positive_int, default=1)
     g = p.add_argument_group("scheduling")
     g.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi"),
-                   help="comma list of NAME[:BUDGET]")
+                   help="comma list of NAME[:BUDGET]; sarathi:dynamic sizes prefill to a TBT target")
+    g.add_argument("--target-tbt-ms", type=positive_float, default=None,
+                   help="sarathi:dynamic's target (default: each capacity search's SLO; else the strict one)")
+    g.add_argument("--snap-chunks", action=argparse.BooleanOptionalAction, default=True,
+                   help="sarathi:dynamic snaps chunks to token counts the cost model runs fastest (GPU tiles)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--block-size", type=positive_int, default=16)

@@ -25,7 +25,7 @@ from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
-from carpool.sim.cost_model import BatchShape, CostModel
+from carpool.sim.cost_model import BatchShape, CostModel, seeded_step_cost
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ class ReplicaConfig:
     num_blocks: int = 4096
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    # sarathi only: size each step's prefill to this predicted step time (seconds), as the
+    # engine's --target-tbt-ms does, with a step-cost fit learning from the simulated times.
+    target_tbt: float | None = None
+    snap_chunks: bool = True  # ... and snap chunks to sizes the cost model runs fastest
+    seed_fit: bool = False  # ... and seed its fit from the cost model, as the engine's --cost-profile does
 
 
 @dataclass
@@ -89,9 +94,14 @@ class Replica:
         self.config = config
         self.cost = cost_model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        dynamic = {}
+        if config.target_tbt is not None:
+            fit, sizes = seeded_step_cost(cost_model, config.max_num_batched_tokens, config.max_model_len,
+                                          seed=config.seed_fit, snap=config.snap_chunks)
+            dynamic = dict(target_tbt=config.target_tbt, cost=fit, chunk_sizes=sizes)
         self.scheduler: Scheduler = make_scheduler(config.scheduler, self.block_manager,
                                                    config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.max_model_len)
+                                                   config.max_model_len, **dynamic)
         self.scheduler.clock = clock
         self.num_stages = cost_model.num_stages
         self.stage_free = [0.0] * self.num_stages
@@ -131,6 +141,7 @@ class Replica:
         Returns the requests that finished."""
         self.in_flight.remove(mb)
         now = mb.end
+        self.scheduler.observe(mb.batch, mb.end - mb.start)  # as the engine reports a step's time
         finished = []
         for r in self.scheduler.commit(mb.batch):
             r.append_token(0, now)

@@ -138,7 +138,17 @@ def greedy_by_policy(engine_fp32):
     for policy in POLICIES:
         with scheduler_config(engine_fp32, budget=64, policy=policy):
             out[policy] = run_greedy(engine_fp32, prompts, 8)
+    # The SLO-following budget: chunk lengths follow measured step times (a 30 ms target on a
+    # model whose steps take ~10-100 ms gives chunks from 1 token up).
+    with scheduler_config(engine_fp32, budget=512, policy="sarathi", target_tbt=0.03) as engine:
+        out["sarathi:dynamic"] = run_greedy(engine, prompts, 8)
+        out["sarathi:dynamic chunk lengths"] = sorted({n for s in engine.iteration_stats for n in [s.num_prefill_tokens]})
     return out
+
+
+def test_slo_following_sarathi_gives_the_same_greedy_outputs(greedy_by_policy):
+    assert len(greedy_by_policy["sarathi:dynamic chunk lengths"]) > 3  # it did chunk in varied sizes
+    assert greedy_by_policy["sarathi:dynamic"] == greedy_by_policy["sarathi"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

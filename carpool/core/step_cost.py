@@ -1,0 +1,282 @@
+"""How long the next iteration will take, learned from the iterations that already ran.
+
+`StepCostModel` is a least-squares fit of step time over a few features of a batch's shape
+(tokens, rows, decode contexts, chunk attention), refreshed with every observed step. The
+SLO-following Sarathi policy asks it, while it builds a batch, how long the batch would take
+with one more prefill chunk. The engine feeds it measured step times and the simulator feeds it
+simulated ones, so the same class makes the same choices in both. It can be seeded with points
+from a profiled cost model (`seed`), and starts empty otherwise.
+
+Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a per-row cost
+(sampling, inputs), decode attention over each context (the CPU kernel pads every row to the
+longest, hence both the sum and `decodes x longest`), and chunk attention over each chunk's
+query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
+hinges in the token count (`max(0, tokens - k)`) let a fit with non-negative weights bend there.
+Non-negative weights also keep the prediction monotone in a chunk's length, which the policy's
+search relies on.
+
+Pure Python on purpose: the scheduler imports it, and the fit is a 9 x 9 solve.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from carpool.core.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a cost model may know about an iteration."""
+
+    prefills: tuple[tuple[int, int], ...] = ()  # (chunk tokens, tokens already cached)
+    decode_contexts: tuple[int, ...] = ()  # context length of each decode, its new token included
+    num_sampled: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.prefills) + len(self.decode_contexts)
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> BatchShape:
+        """The shape of a batch as scheduled (before `commit` advances its requests)."""
+        prefills, decodes, sampled = [], [], 0
+        for r, n, is_decode in zip(batch.requests, batch.num_tokens, batch.is_decode):
+            if is_decode:
+                decodes.append(r.num_computed_tokens + 1)
+            else:
+                prefills.append((n, r.num_computed_tokens))
+            sampled += r.num_computed_tokens + n == r.num_tokens
+        return cls(tuple(prefills), tuple(decodes), sampled)
+
+    def with_chunk(self, n: int, prefix: int, sampled: bool = False) -> BatchShape:
+        return BatchShape(self.prefills + ((n, prefix),), self.decode_contexts, self.num_sampled + sampled)
+
+
+# Token counts where the per-token cost may bend (GPU tiles/waves); see the module docstring.
+HINGES = (64, 256, 1024)
+FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "rows", "decode_context_sum",
+            "decode_context_padded", "chunk_attention")
+# Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-5, 1e-5, 1e-6)
+
+
+def features(shape: BatchShape) -> list[float]:
+    t = shape.num_tokens
+    d = shape.decode_contexts
+    attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
+    raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(shape.prefills) + len(d), sum(d),
+           len(d) * max(d, default=0), attn)
+    return [x * s for x, s in zip(raw, _SCALE)]
+
+
+def solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    k = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, k):
+            f = m[r][c] / m[c][c]
+            if f:
+                for j in range(c, k + 1):
+                    m[r][j] -= f * m[c][j]
+    x = [0.0] * k
+    for r in range(k - 1, -1, -1):
+        x[r] = (m[r][k] - sum(m[r][j] * x[j] for j in range(r + 1, k))) / m[r][r]
+    return x
+
+
+def nonnegative_least_squares(ata: list[list[float]], atb: list[float], ridge: float) -> list[float]:
+    """min |A w - y|^2 + ridge |w|^2 subject to w >= 0, from the normal equations: solve over the
+    free weights, pin the most negative one to 0, repeat (an active-set method; exact for the
+    well-conditioned fits here, and always non-negative)."""
+    k = len(atb)
+    free = list(range(k))
+    while free:
+        sub = [[ata[i][j] + (ridge if i == j else 0.0) for j in free] for i in free]
+        w = solve(sub, [atb[i] for i in free])
+        if w is None:
+            break
+        worst = min(range(len(free)), key=lambda i: w[i])
+        if w[worst] >= 0:
+            out = [0.0] * k
+            for i, v in zip(free, w):
+                out[i] = v
+            return out
+        del free[worst]
+    return [0.0] * k
+
+
+@dataclass
+class StepCostModel:
+    """Online fit of step seconds over `features(shape)`.
+
+    decay: each observation's weight shrinks by this factor per later observation (the fit follows
+        a machine whose speed drifts; 0.998 ~ the last 500 steps).
+    quantile: `upper` scales the fit by this quantile of recent measured / predicted ratios, so a
+        plan that keeps `upper` under a target keeps about that share of real steps under it.
+    refit_every: observations between solves (a solve is ~0.2 ms of Python).
+    """
+
+    decay: float = 0.998
+    ridge: float = 1e-6
+    quantile: float = 0.95
+    window: int = 256
+    refit_every: int = 4
+    weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
+    num_observations: int = 0
+    max_tokens_seen: int = 0
+
+    def __post_init__(self) -> None:
+        k = len(FEATURES)
+        self._ata = [[0.0] * k for _ in range(k)]
+        self._atb = [0.0] * k
+        self._ratios: deque[float] = deque(maxlen=self.window)
+        self._margin = 1.0
+        self._pending = 0
+
+    # ------------------------------------------------------------ predictions
+    def predict(self, shape: BatchShape) -> float:
+        return sum(w * x for w, x in zip(self.weights, features(shape)))
+
+    @property
+    def margin(self) -> float:
+        """The `quantile` of recent measured / predicted ratios, clamped to [1, 2]."""
+        return self._margin
+
+    def upper(self, shape: BatchShape) -> float:
+        return self.predict(shape) * self._margin
+
+    @property
+    def ready(self) -> bool:
+        """Enough steps seen to trust the fit for anything but its trust region."""
+        return self.num_observations >= 8
+
+    def trusted_tokens(self, floor: int = 64) -> int:
+        """Largest batch (tokens) to plan with: a linear fit is trusted to twice what it saw."""
+        return max(floor, 2 * self.max_tokens_seen)
+
+    # ------------------------------------------------------------ learning
+    def observe(self, shape: BatchShape, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds > 0) or shape.num_tokens == 0:
+            return
+        if self.ready:
+            predicted = self.predict(shape)
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
+        self._add(features(shape), seconds, 1.0)
+        self.num_observations += 1
+        self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)
+        self._pending += 1
+        if self._pending >= self.refit_every or not self.ready:
+            self.refit()
+
+    def seed(self, predict: Callable[[BatchShape], float], shapes: Iterable[BatchShape], weight: float = 1.0) -> int:
+        """Start from a profiled cost model: fit its predictions over `shapes` (each counted as
+        `weight` observations; real steps replace them as the decay forgets them)."""
+        n = 0
+        for shape in shapes:
+            self._add(features(shape), predict(shape), weight)
+            self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)
+            n += 1
+        self.num_observations += n
+        self.refit()
+        return n
+
+    def _add(self, x: list[float], y: float, weight: float) -> None:
+        d = self.decay
+        for i, xi in enumerate(x):
+            row = self._ata[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + weight * xi * xj
+            self._atb[i] = d * self._atb[i] + weight * xi * y
+
+    def refit(self) -> None:
+        self._pending = 0
+        trace = sum(self._ata[i][i] for i in range(len(FEATURES)))
+        if trace <= 0:
+            return
+        self.weights = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES))
+        if len(self._ratios) >= 16:
+            ranked = sorted(self._ratios)
+            q = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+            self._margin = min(max(q, 1.0), 2.0)
+
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each raw feature (for reports)."""
+        return {name: w * s for name, w, s in zip(FEATURES, self.weights, _SCALE)}
+
+
+def seed_shapes(max_tokens: int = 2048, max_context: int = 2048) -> list[BatchShape]:
+    """Batches that span what serving runs: decode-only batches over counts and contexts, and one
+    chunk over lengths and prefixes beside a few decodes."""
+    shapes = []
+    for d in (1, 4, 16, 32, 64):
+        for ctx in (128, 512, 1024, 2048):
+            if ctx <= max_context and d <= max_tokens:
+                shapes.append(BatchShape(decode_contexts=(ctx,) * d, num_sampled=d))
+    for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        for prefix in (0, 512, 1536):
+            for d in (0, 8):
+                if n + d <= max_tokens and n + prefix <= max_context:
+                    shapes.append(BatchShape(((n, prefix),), (max(prefix, 256),) * d, d))
+    return shapes
+
+
+# ---------------------------------------------------------------- chunk sizes the machine likes
+
+@dataclass(frozen=True)
+class ChunkSizes:
+    """Chunk lengths to snap to, from a measured sweep of step time over token count.
+
+    On a GPU a GEMM's time is a staircase in its token count (tile and wave quantisation): 264
+    tokens cost as much as 384. A smooth fit cannot see that, so a chunk the fit allows is cut back
+    to a shorter one that does more tokens per second, when the sweep says one within
+    `max_loss` of it does at least `min_gain` better. On a flat sweep (this CPU) nothing snaps."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    max_loss: float = 0.25
+    min_gain: float = 0.05
+
+    @classmethod
+    def from_sweep(cls, points: Sequence[tuple[int, float]], **kw) -> ChunkSizes:
+        pts = sorted((int(n), float(t)) for n, t in points if n > 0 and t > 0)
+        if len(pts) < 2:
+            raise ValueError("a chunk-size sweep needs at least two (tokens, seconds) points")
+        return cls(tuple(n for n, _ in pts), tuple(t for _, t in pts), **kw)
+
+    def time(self, n: int) -> float:
+        i = min(max(bisect.bisect_left(self.sizes, n), 1), len(self.sizes) - 1)
+        x0, x1, y0, y1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
+        if n == x1:
+            return y1
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def snap(self, n: int) -> int:
+        """The chunk to run in place of `n` tokens (`n` itself unless a measured size does better)."""
+        if n < self.sizes[0] or n > self.sizes[-1]:
+            return n
+        rate = n / self.time(n)
+        best, best_rate = n, rate * (1 + self.min_gain)
+        lo = bisect.bisect_left(self.sizes, math.ceil(n * (1 - self.max_loss)))
+        for m, t in zip(self.sizes[lo:], self.seconds[lo:]):
+            if m >= n:
+                break
+            if m / t > best_rate:
+                best, best_rate = m, m / t
+        return best
+
+    def slow_sizes(self) -> list[int]:
+        """Swept sizes that snap to a smaller one (for reports)."""
+        return [n for n in self.sizes if self.snap(n) != n]

@@ -1,0 +1,105 @@
+"""The online step-time fit: it converges, stays non-negative, and snaps chunks on staircases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.core.step_cost import (FEATURES, BatchShape, ChunkSizes, StepCostModel, features,
+                                    nonnegative_least_squares)
+
+
+def true_time(shape: BatchShape) -> float:
+    """A machine with a fixed cost, per-token GEMMs, per-row work, padded decode attention and
+    chunk attention (the shape of this CPU's profile, rounded)."""
+    d = shape.decode_contexts
+    attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
+    return (0.008 + 2.7e-4 * shape.num_tokens + 1e-4 * (len(d) + len(shape.prefills))
+            + 4e-7 * len(d) * max(d, default=0) + 6e-8 * attn)
+
+
+def random_shape(rng: random.Random) -> BatchShape:
+    decodes = tuple(rng.randint(16, 2048) for _ in range(rng.choice([0, 1, 4, 12, 30])))
+    prefills = tuple((rng.randint(1, 512), rng.choice([0, 0, 256, 1024])) for _ in range(rng.choice([0, 1, 1, 2])))
+    if not decodes and not prefills:
+        decodes = (rng.randint(16, 512),)
+    return BatchShape(prefills, decodes, len(decodes))
+
+
+def test_fit_converges_on_synthetic_step_times():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(600):
+        shape = random_shape(rng)
+        model.observe(shape, true_time(shape) * rng.uniform(0.97, 1.03))
+    errors = sorted(abs(model.predict(s) / true_time(s) - 1) for s in (random_shape(rng) for _ in range(300)))
+    assert errors[len(errors) // 2] < 0.02  # median
+    assert errors[int(0.9 * len(errors))] < 0.05
+    assert all(w >= 0 for w in model.weights)
+    assert 1.0 <= model.margin < 1.06  # the 95th percentile of +-3% noise
+
+
+def test_fit_follows_a_machine_that_slows_down():
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(300):
+        shape = random_shape(rng)
+        model.observe(shape, true_time(shape))
+    for _ in range(1500):  # the machine is now 30% slower (another process, thermal limits)
+        shape = random_shape(rng)
+        model.observe(shape, 1.3 * true_time(shape))
+    probe = BatchShape(((256, 512),), (700,) * 10, 10)
+    assert model.predict(probe) == pytest.approx(1.3 * true_time(probe), rel=0.03)
+
+
+def test_seeded_model_predicts_before_any_step():
+    model = StepCostModel()
+    shapes = [random_shape(random.Random(i)) for i in range(200)]
+    model.seed(true_time, shapes)
+    probe = BatchShape(((128, 0),), (300,) * 5, 5)
+    assert model.predict(probe) == pytest.approx(true_time(probe), rel=0.03)
+    assert model.trusted_tokens() >= 2 * max(s.num_tokens for s in shapes)
+
+
+def test_an_empty_model_trusts_only_small_batches():
+    model = StepCostModel()
+    assert model.predict(BatchShape(((512, 0),))) == 0.0
+    assert model.trusted_tokens() == 64
+    model.observe(BatchShape(((100, 0),)), 0.05)
+    assert model.trusted_tokens() == 200
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.floats(0, 10), min_size=3, max_size=3), min_size=3, max_size=20),
+       st.lists(st.floats(-5, 5), min_size=20, max_size=20))
+def test_nonnegative_least_squares_is_nonnegative_and_no_worse_than_zero(rows, ys):
+    ys = ys[:len(rows)]
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    atb = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(3)]
+    w = nonnegative_least_squares(ata, atb, 1e-9)
+    assert all(x >= 0 for x in w)
+    loss = sum((sum(a * b for a, b in zip(r, w)) - y) ** 2 for r, y in zip(rows, ys))
+    assert loss <= sum(y * y for y in ys) + 1e-6
+
+
+def test_features_grow_with_a_chunk():
+    base = BatchShape((), (500,) * 8, 8)
+    prev = features(base.with_chunk(1, 300))
+    for n in range(2, 400, 7):
+        cur = features(base.with_chunk(n, 300))
+        assert all(c >= p for c, p in zip(cur, prev)) and len(cur) == len(FEATURES)
+        prev = cur
+
+
+def test_chunk_sizes_snap_on_a_staircase_and_not_on_a_line():
+    stairs = ChunkSizes.from_sweep([(n, 0.4 * -(-n // 128)) for n in range(8, 1025, 8)])
+    assert stairs.snap(300) == 256  # 300 tokens cost as much as 384
+    assert stairs.snap(256) == 256 and stairs.snap(384) == 384
+    assert stairs.snap(130) == 128
+    assert stairs.snap(180) == 180  # 128 would lose more than the allowed 25% of the chunk
+    line = ChunkSizes.from_sweep([(n, 0.01 + 2.7e-4 * n) for n in (1, 16, 64, 128, 256, 512, 1024)])
+    assert line.slow_sizes() == []
+    assert all(line.snap(n) == n for n in range(1, 1100, 13))
