@@ -24,7 +24,7 @@ from carpool.core.scheduler import ScheduledBatch, make_scheduler
 from carpool.executor import Executor, ExecutorError, make_executor
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
-from carpool.sampler import Sampler
+from carpool.sampler import Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
 from carpool.structured import StructuredOutputs
 from carpool.structured.masks import MaskJob
@@ -214,8 +214,12 @@ class LLMEngine:
             return []
         batch, start, masks = self._in_flight.popleft()
         num_decode, num_prefill = batch.num_decode_tokens, batch.num_prefill_tokens
+        scored = [(r, r.prompt_logprob_positions(n)) for r, n in zip(batch.requests, batch.num_tokens)
+                  if r.prompt_logprobs is not None]
         try:
             logits = ex.collect()
+            if scored:  # the rows after the sampled ones score prompt tokens (StepPlan.logit_rows)
+                logits = self._score_prompts(scored, logits)
             if ex.max_in_flight > 1:
                 logits = self._drop_aborted(batch, logits)
             ready = self.scheduler.commit(batch)
@@ -272,6 +276,16 @@ class LLMEngine:
         gets one `iteration_stats` entry). Returns a function that removes the observer."""
         self._batch_observers.append(observe)
         return lambda: self._batch_observers.remove(observe)
+
+    def _score_prompts(self, scored: list[tuple[Request, range]], logits: torch.Tensor) -> torch.Tensor:
+        """Append this step's prompt logprobs to their requests; returns the sampled rows."""
+        first = len(logits) - sum(len(positions) for _, positions in scored)
+        sampled, prompt_logits = logits[:first], logits[first:]
+        for request, positions in scored:
+            rows, prompt_logits = prompt_logits[:len(positions)], prompt_logits[len(positions):]
+            if positions:
+                self.outputs.append_prompt_logprobs(request, score_prompt(rows, request, positions))
+        return sampled
 
     @staticmethod
     def _drop_aborted(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:

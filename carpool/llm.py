@@ -96,10 +96,12 @@ class LLM:
 
 
 def one_per_choice(sp: SamplingParams) -> list[SamplingParams]:
-    """n choices -> n engine requests; choice j of a seeded request draws with seed + j."""
+    """n choices -> n engine requests; choice j of a seeded request draws with seed + j. The
+    prompt is scored (prompt_logprobs) once, by the first."""
     if sp.n == 1:
         return [sp]
-    return [replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + j + 2**63) % 2**64 - 2**63)
+    return [replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + j + 2**63) % 2**64 - 2**63,
+                    prompt_logprobs=sp.prompt_logprobs if j == 0 else None)
             for j in range(sp.n)]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,10 +29,16 @@ class StepPlan:
     prefills: list[tuple[int, int, int, list[int] | None]]  # (row, end row, cached tokens, table or None)
     sample_rows: list[int]  # rows whose logits are sampled
     fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
+    prompt_logprob_rows: list[int] = field(default_factory=list)  # rows scoring prompt tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """Rows whose logits the step returns: the sampled ones, then the prompt-scoring ones."""
+        return self.sample_rows + self.prompt_logprob_rows
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
@@ -76,6 +82,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int] | None]] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []
         fresh_tails: list[np.ndarray] = []
         bs = self.block_size
         for req, n in zip(batch.requests, batch.num_tokens):
@@ -98,8 +105,9 @@ class ModelRunner:
                 prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
             if ctx == req.num_tokens:
                 sample_rows.append(row + n - 1)
+            prompt_rows.extend(row + p - start for p in req.prompt_logprob_positions(n))
         return StepPlan(ids, np.concatenate(positions), np.concatenate(slots), decode_tables, decode_lens,
-                        prefills, sample_rows, fresh_tails)
+                        prefills, sample_rows, fresh_tails, prompt_rows)
 
     def clear_fresh_tails(self, plan: StepPlan) -> None:
         """Zero the not-yet-written slots of blocks the plan starts (the cache is allocated
@@ -144,17 +152,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the batch; logits [num_ready_requests, vocab] in batch order."""
+        """Run the batch; logits [plan.logit_rows, vocab]: one row per ready request in batch
+        order, then the rows that score prompt tokens (see `StepPlan.logit_rows`)."""
         plan = self.plan(batch)
         self.clear_fresh_tails(plan)
         input_ids, positions, meta = self.tensors(plan)
-        sample_rows = plan.sample_rows
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not sample_rows:
-            logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        else:
-            logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.logits(hidden, plan)
         self.last_forward_seconds = time.perf_counter() - start  # model + LM head, for the profiler
         return logits
 
@@ -168,6 +173,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, meta, hidden)
         if not self.model.is_last:
             return hidden
-        if not plan.sample_rows:
+        return self.logits(hidden, plan)
+
+    def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        rows = plan.logit_rows
+        if not rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[plan.sample_rows])
+        return self.model.compute_logits(hidden[rows])

@@ -128,6 +128,12 @@ class OutputProcessor:
         request.cumulative_logprob += entry[token].logprob
         request.output_logprobs.append(entry)
 
+    def append_prompt_logprobs(self, request: Request, entries: list[dict[int, Logprob]]) -> None:
+        for entry in entries:
+            for tid, lp in entry.items():
+                lp.decoded_token = self._token_text(tid)
+        request.prompt_logprobs.extend(entries)
+
     def append_token(self, request: Request, token: int, now: float) -> RequestStatus | None:
         """Record a sampled token; return the finished status if it ends the request."""
         request.append_token(token, now)
@@ -192,6 +198,9 @@ class OutputProcessor:
                                    request.token_times, request.finished_time, request.num_preemptions),
             error=request.error,
             num_cached_tokens=request.num_cached_tokens,
+            # Complete once the prompt is (each output comes after a sampled token); a delta
+            # stream carries them once, in its first output.
+            prompt_logprobs=request.prompt_logprobs if not (delta and sent_tokens) else None,
         )
         if request.is_finished:
             self._detok.pop(rid, None)

@@ -57,10 +57,15 @@ class Request:
     generator: torch.Generator | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine (tokenizer)
     grammar: Any = None  # structured outputs: the request's llguidance matcher (carpool/structured)
+    # With prompt_logprobs: entry i scores prompt token i (vLLM's layout: entry 0 is None, as
+    # nothing precedes the first token). Grows as prefill chunks compute the positions before.
+    prompt_logprobs: list[dict | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
@@ -84,6 +89,23 @@ class Request:
     def is_decode(self) -> bool:
         """One new token whose KV is missing: the steady state after the prompt is in cache."""
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens whose KV may come from the prefix cache instead of being computed: all
+        but the last (its logits are sampled), and with prompt logprobs only the positions whose
+        logits were already taken (position p scores prompt token p + 1)."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+
+    def prompt_logprob_positions(self, num_tokens: int) -> range:
+        """Positions of a grant of `num_tokens` whose logits score prompt tokens not scored yet
+        (after a preemption the recomputed positions are not scored twice)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
+        return range(start, min(self.num_computed_tokens + num_tokens, self.num_prompt_tokens - 1))
 
     @property
     def is_finished(self) -> bool:

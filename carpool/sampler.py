@@ -133,13 +133,26 @@ class Sampler:
             if errors[i] is not None:
                 token_list[i] = None
             elif want_logprobs[i]:
-                row, token = raw_logprobs[i], token_list[i]
-                value = row[token].item()
-                entry = {token: Logprob(value, int((row > value).sum()) + 1)}
-                n = req.sampling_params.logprobs
-                if n:
-                    top = row.topk(n)
-                    for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
-                        entry.setdefault(t, Logprob(v, rank))
-                logprobs[i] = entry
+                logprobs[i] = logprob_entries(raw_logprobs[i:i + 1], [token_list[i]],
+                                              req.sampling_params.logprobs)[0]
         return token_list, logprobs, errors
+
+
+def logprob_entries(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities: {token: its Logprob and rank} plus the row's `num_top`
+    most likely tokens (vLLM's layout; the chosen token comes first)."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    entries = [{t: Logprob(v, r)} for t, v, r in zip(tokens, chosen[:, 0].tolist(), ranks)]
+    if num_top:
+        top = logprobs.topk(num_top, dim=-1)
+        for entry, values, ids in zip(entries, top.values.tolist(), top.indices.tolist()):
+            for rank, (v, t) in enumerate(zip(values, ids), 1):
+                entry.setdefault(t, Logprob(v, rank))
+    return entries
+
+
+def score_prompt(logits: torch.Tensor, request: Request, positions: range) -> list[dict[int, Logprob]]:
+    """Logprob entries of the prompt tokens that follow `positions`, from those positions' logits."""
+    targets = request.prompt_token_ids[positions.start + 1:positions.stop + 1]
+    return logprob_entries(logits.float().log_softmax(dim=-1), targets, request.sampling_params.prompt_logprobs)

@@ -103,7 +103,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # words never generated (each also with a leading space)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
-    prompt_logprobs: int | None = None  # not implemented yet: refused rather than ignored
+    prompt_logprobs: int | None = None  # score every prompt token after the first, with this many top alternatives
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON, regex, ...)
 
     def __post_init__(self) -> None:
@@ -172,8 +172,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
                                                         or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,

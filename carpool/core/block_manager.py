@@ -93,14 +93,14 @@ class BlockManager:
         return keys
 
     def cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of a request that holds no blocks yet. It stops
-        one token short of the request's end: the last token is always computed (its logits are
-        sampled), so a block holding it is never taken, even when it is cached."""
+        """Cached blocks holding the longest prefix of a request that holds no blocks yet, within
+        its `num_cacheable_tokens`: the last token is always computed (its logits are sampled), so
+        a block holding it is never taken, even when it is cached."""
         if not self.enable_prefix_caching or request.block_ids or request.num_computed_tokens:
             return []
         bs, hits = self.block_size, []
         keys = request.block_hashes
-        for k in range((request.num_tokens - 1) // bs):
+        for k in range(request.num_cacheable_tokens // bs):
             key = keys[k] if k < len(keys) else self.block_keys(request, k + 1)[k]
             block = self._block_of.get(key)
             if block is None:

@@ -126,6 +126,7 @@ def flatten_plan(msg: RunPlan) -> tuple[dict, Arrays]:
         "prefill_table_lens": ints([-1 if t is None else len(t) for _, _, _, t in p.prefills]),
         "prefill_tables": prefill_tables, "sample_rows": ints(p.sample_rows),
         "fresh_tails": fresh_tails, "fresh_tail_lens": fresh_tail_lens,
+        "prompt_logprob_rows": ints(p.prompt_logprob_rows),
     }
 
 
@@ -145,7 +146,8 @@ def build_plan(fields: dict, a: Arrays) -> RunPlan:
     fresh_tails = [np.asarray(x, dtype=np.int64) for x in
                    unragged(a["fresh_tails"], a["fresh_tail_lens"], "RunPlan.fresh_tails")]
     plan = StepPlan(a["input_ids"].tolist(), a["positions"], a["slot_mapping"], decode_tables,
-                    a["decode_lens"].tolist(), prefills, a["sample_rows"].tolist(), fresh_tails)
+                    a["decode_lens"].tolist(), prefills, a["sample_rows"].tolist(), fresh_tails,
+                    a["prompt_logprob_rows"].tolist())
     return RunPlan(fields["micro_batch"], plan)
 
 
@@ -188,7 +190,7 @@ SCHEMAS = {s.cls.__name__: s for s in (
            {"input_ids": I64_1D, "positions": I64_1D, "slot_mapping": I64_1D, "decode_tables": I64_1D,
             "decode_table_lens": I64_1D, "decode_lens": I64_1D, "prefills": ("int64", 2),
             "prefill_table_lens": I64_1D, "prefill_tables": I64_1D, "sample_rows": I64_1D,
-            "fresh_tails": I64_1D, "fresh_tail_lens": I64_1D},
+            "fresh_tails": I64_1D, "fresh_tail_lens": I64_1D, "prompt_logprob_rows": I64_1D},
            flatten_plan, build_plan),
     scalars_only(SendTimings, reset=(bool,)),
     scalars_only(Shutdown),
