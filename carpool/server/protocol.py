@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from carpool.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                                     MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN)
+                                     MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN, StructuredOutputsParams)
 
 
 
@@ -68,12 +68,43 @@ class StreamOptions(_Strict):
 # and logged once by name. Only undeclared fields are checked: chat declares `tool_choice`, so it
 # is refused on /v1/completions alone.
 UNSUPPORTED_FIELDS = frozenset({
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "prompt_logprobs", "use_beam_search", "length_penalty",
+    "guided_decoding_backend", "prompt_logprobs", "use_beam_search", "length_penalty",
     "logits_processors", "return_tokens_as_token_ids", "functions", "function_call", "tool_choice",
     "prediction", "vllm_xargs",
 })
 HARMLESS_VALUES = (None, False, "none", "auto")  # e.g. tool_choice "none" changes nothing
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (SamplingParams.structured_outputs' shape)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
+# Where a request may ask for structured outputs; at most one of them per request.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
 
 
 class _SamplingFields(_Strict):
@@ -107,6 +138,16 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    # Structured outputs (carpool/structured): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(None)
     # Accepted for compatibility; any value that would change the result is refused below.
     best_of: StrictInt | None = None
 
@@ -127,7 +168,47 @@ class _SamplingFields(_Strict):
             raise ValueError("best_of: only best_of == n is supported")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must not exceed max_tokens")
+        given = [name for name in STRUCTURED_FIELDS if self._structured_given(name)]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one structured output per request (also got {given[0]})")
+        if self.response_format and self.response_format.type == "json_schema" and (
+                self.response_format.json_schema is None or self.response_format.json_schema.schema_ is None):
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        self._structured = None
+        if given:
+            try:
+                self._structured = self._structured_params(given[0])
+            except ValueError as e:
+                raise ValueError(f"{given[0]}: {str(e).removeprefix('structured_outputs.')}") from None
         return self
+
+    def _structured_given(self, name: str) -> bool:
+        value = getattr(self, name)
+        if name == "response_format":
+            return value is not None and value.type != "text"
+        return value is not None
+
+    def _structured_params(self, name: str) -> StructuredOutputsParams:
+        ws = dict(whitespace_pattern=self.guided_whitespace_pattern)
+        if name == "response_format":
+            rf = self.response_format
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True, **ws)
+            return StructuredOutputsParams(json=rf.json_schema.schema_, **ws)
+        if name == "structured_outputs":
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                                           whitespace_pattern=so.whitespace_pattern or ws["whitespace_pattern"])
+        kind = name.removeprefix("guided_")
+        return StructuredOutputsParams(**{kind: getattr(self, name)}, **ws)
+
+    @property
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's structured output and the field it came in, or None."""
+        if self._structured is None:
+            return None
+        return self._structured, next(n for n in STRUCTURED_FIELDS if self._structured_given(n))
 
 
 class CompletionRequest(_SamplingFields):
@@ -248,7 +329,6 @@ class ChatCompletionRequest(_SamplingFields):
     # None: "auto" when tools are given, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -261,8 +341,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tool_choice: needs tools; none were given")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is not among the tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
         return self
 
     @property

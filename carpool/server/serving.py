@@ -29,7 +29,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from carpool.engine import LLMEngine
 from carpool.outputs import Logprob
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import SamplingParams, StructuredOutputsParams
+from carpool.structured.grammar import GrammarError
 from carpool.server.async_engine import (AsyncLLMEngine, Delta, EngineDeadError, EngineOverloadedError,
                                          RequestFailedError, RequestGroup, RequestRejectedError)
 from carpool.server.metrics import ServerMetrics
@@ -238,9 +239,22 @@ class ServingContext:
                 bad_words=req.bad_words,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 output_kind="delta",
+                structured_outputs=self.structured_outputs(req),
             )
         except ValueError as exc:
             raise APIError(str(exc), param=_field_of(str(exc))) from None
+
+    def structured_outputs(self, req) -> StructuredOutputsParams | None:
+        """The request's constraint, compiled here on the prepare thread: a bad schema is a 400
+        naming the field it came in, and the engine thread later only copies the cached grammar."""
+        if req.structured is None:
+            return None
+        params, param = req.structured
+        try:
+            self.engine.structured.matcher(params)
+        except GrammarError as exc:
+            raise APIError(f"{param}: {exc.reason}", param=param) from None
+        return params
 
     # ------------------------------------------------------------ submitting (event loop)
     async def submit(self, prepared: Prepared, arrival: float, param: str) -> RequestGroup:

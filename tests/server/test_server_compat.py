@@ -26,7 +26,7 @@ def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
+    ("guided_decoding_backend", "xgrammar"), ("logits_processors", ["mine"]),
     ("prompt_logprobs", 1), ("use_beam_search", True),
     ("tool_choice", "required"),
 ])
