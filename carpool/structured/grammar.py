@@ -25,6 +25,19 @@ from carpool.sampling_params import StructuredOutputsParams
 GRAMMAR_CACHE_SIZE = 256
 
 
+NOUNS = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+         "choice": "choice list", "grammar": "grammar"}
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile. `reason` says what is wrong without naming the field,
+    so that the server can name the request field the client used (response_format, guided_json...)."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"structured_outputs.{kind}: {reason}")
+        self.reason = reason
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (JSON text) for a constraint. Raises ValueError when the
     constraint cannot even be turned into a grammar (e.g. a schema that is not a JSON object)."""
@@ -56,7 +69,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the model's logits width; may exceed the tokenizer's vocab
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tokenizer and the cache: engine and prepare threads
         self._cache: OrderedDict[str, object] = OrderedDict()
 
     @property
@@ -76,25 +89,30 @@ class GrammarCompiler:
             return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams):
-        """A matcher in its start state for `params`; ValueError naming the problem if the
-        schema, regex or grammar is invalid."""
+        """A matcher in its start state for `params`; GrammarError naming the problem if the
+        schema, regex or grammar is invalid. Thread-safe: the server's prepare thread compiles
+        (and so validates) a request's grammar before the engine thread adds it, which then only
+        copies the cached matcher."""
         from llguidance import LLMatcher
 
+        noun = NOUNS[params.kind]
         try:
             grammar = grammar_text(params)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
-        template = self._cache.get(grammar)
+            raise GrammarError(params.kind, f"invalid {noun}: {e}") from None
+        with self._lock:
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
         if template is None:
             is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
             if is_error:
-                raise ValueError(f"structured_outputs.{params.kind} is invalid: {messages[0]}")
+                raise GrammarError(params.kind, f"invalid {noun}: {messages[0].strip()}")
             template = LLMatcher(self.tokenizer, grammar, log_level=0)
             if template.is_error():
-                raise ValueError(f"structured_outputs.{params.kind} is invalid: {template.get_error()}")
-            self._cache[grammar] = template
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(grammar)
+                raise GrammarError(params.kind, f"invalid {noun}: {template.get_error().strip()}")
+            with self._lock:
+                self._cache[grammar] = template
+                if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
         return template.deep_copy()

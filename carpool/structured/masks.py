@@ -13,6 +13,7 @@ matcher, which has consumed exactly the tokens sampled so far, is still in the r
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,17 +48,30 @@ class GrammarMasks:
         return [r for r, d in zip(self.rows, dead) if d]
 
 
+@dataclass
+class MaskStats:
+    """Running totals, for `carpool bench structured`: how long masks took to compute (in the
+    background thread) and how long the engine still waited for them after the forward pass."""
+
+    num_masks: int = 0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
 class MaskJob:
     """The masks of one batch's sampled constrained rows, being computed in the background."""
 
-    def __init__(self, requests: list[Request], future: Future):
+    def __init__(self, requests: list[Request], future: Future, stats: MaskStats):
         self.requests = requests
         self.future = future
+        self.stats = stats
 
     def masks_for(self, ready: list[Request]) -> GrammarMasks | None:
         """Wait for the masks; map them onto the rows of `ready` (the requests sampled, in order:
         requests aborted meanwhile are gone from it)."""
+        start = time.perf_counter()
         bitmask = self.future.result()
+        self.stats.wait_seconds += time.perf_counter() - start
         index = {id(r): j for j, r in enumerate(self.requests)}
         pairs = [(i, index[id(r)]) for i, r in enumerate(ready) if id(r) in index]
         if not pairs:
@@ -73,6 +87,7 @@ class StructuredOutputs:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._thread: ThreadPoolExecutor | None = None  # started with the first constrained row
         self._llg_executor = None
+        self.stats = MaskStats()
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for a new request; ValueError if the constraint is invalid."""
@@ -91,14 +106,17 @@ class StructuredOutputs:
             # llguidance spreads a batch's rows over its own threads; leave the model most cores.
             self._llg_executor = llguidance.LLExecutor(max(1, (os.cpu_count() or 2) // 4))
         matchers = [r.grammar for r in sampled]  # the thread must not read requests that move on
-        return MaskJob(sampled, self._thread.submit(self._compute, matchers))
+        return MaskJob(sampled, self._thread.submit(self._compute, matchers), self.stats)
 
     def _compute(self, matchers: list) -> torch.Tensor:
         from llguidance.torch import fill_next_token_bitmask_par
 
+        start = time.perf_counter()
         words = (self.compiler.tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
         fill_next_token_bitmask_par(self._llg_executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.stats.num_masks += len(matchers)
+        self.stats.compute_seconds += time.perf_counter() - start
         return bitmask
 
     @staticmethod
