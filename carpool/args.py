@@ -1,15 +1,18 @@
-"""vLLM's engine arguments, as carpool takes them: honoured (an `EngineConfig` field of the same
-name), mapped (another name or unit for a field), or ignored with one warning each -- never a
-TypeError for an argument a vLLM script passes. `LLM(...)` uses this; `carpool serve` accepts the
-same names as flags."""
+"""Engine arguments in one place: the command-line flags are generated from `EngineConfig`'s
+fields (name, type, default; only help text and short names are added here), and vLLM's engine
+arguments are honoured (a field of the same name), mapped (another name or unit for a field), or
+ignored with one warning each -- never a TypeError for an argument a vLLM script passes.
+`LLM(...)` uses `engine_config`; every `carpool` command that runs an engine uses
+`add_engine_args` / `engine_config_from_args`; `carpool serve` also accepts vLLM's flags."""
 
 from __future__ import annotations
 
+import argparse
 import logging
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, parse_memory
 
 log = logging.getLogger("carpool")
 
@@ -41,6 +44,52 @@ IGNORED: dict[str, str] = {
 }
 _warned: set[str] = set()
 
+# What the dataclass cannot say about a flag: help, a short name, a parser or the choices.
+FLAG_EXTRAS: dict[str, dict[str, Any]] = {
+    "model": {"help": "HF model folder, .gguf file or cached HF repo id "
+                      "(default: embedded SmolLM2-135M-Instruct)"},
+    "dtype": {"help": "auto, float32, bfloat16, float16"},
+    "device": {"help": "auto, cpu, cuda"},
+    "max_num_batched_tokens": {"help": "token budget per iteration"},
+    "kv_cache_memory": {"type": parse_memory,
+                        "help": "bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)"},
+    "scheduler": {"help": "sarathi (default), vllm, orca, request-level, chunked-only, hybrid-only"},
+    "target_tbt_ms": {"help": "sarathi: size each iteration's prefill so its predicted time stays within this "
+                              "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)"},
+    "cost_profile": {"help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"},
+    "enable_prefix_caching": {"help": "reuse the KV cache of prompt prefixes computed before (default: on)"},
+    "num_threads": {"help": "torch intra-op threads (per worker process with TP/PP; default: cores / processes)"},
+    "quantization": {"short": "-q", "choices": ("auto", "none", "int8", "int4"),
+                     "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
+                             "its own 4/8 bits in bf16/fp16, anything else none)"},
+    "tensor_parallel_size": {"short": "-tp", "help": "shard every layer over this many worker processes"},
+    "pipeline_parallel_size": {"short": "-pp",
+                               "help": "split the layers into this many pipeline stages, one micro-batch in flight each"},
+}
+# Fields set another way: the environment (torchrun's rendezvous) or their default.
+NOT_FLAGS = frozenset({"distributed_init_method", "distributed_timeout"})
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named as the field (as vLLM names them)."""
+    g = p.add_argument_group("engine (named as in vllm serve)")
+    for f in fields(EngineConfig):
+        if f.name in NOT_FLAGS:
+            continue
+        extras = dict(FLAG_EXTRAS.get(f.name, {}))
+        names = ["--" + f.name.replace("_", "-")] + ([extras.pop("short")] if "short" in extras else [])
+        default = None if f.default is MISSING else f.default
+        if f.type == "bool":
+            g.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, **extras)
+        else:
+            extras.setdefault("type", _SCALARS[f.type.split(" | ")[0]])
+            g.add_argument(*names, default=default, **extras)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in NOT_FLAGS})
+
 
 def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """An EngineConfig from vLLM-style keyword arguments."""
@@ -69,8 +118,6 @@ def warn_ignored(name: str, why: str) -> None:
 def add_vllm_engine_flags(p) -> None:
     """`vllm serve` engine flags with nothing to set here, or another name for a carpool flag;
     `apply_vllm_engine_flags` honours or warns about them once parsed."""
-    import argparse
-
     g = p.add_argument_group("accepted from vllm serve (mapped, or ignored with a warning)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="same as --kv-cache-memory, in bytes")
     for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",

@@ -6,52 +6,7 @@ import argparse
 import logging
 import sys
 
-from carpool.config import EngineConfig, parse_memory
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (named as in vllm serve)")
-    g.add_argument("--model", default=None,
-                   help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per iteration")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)")
-    g.add_argument("--scheduler", default="sarathi")
-    g.add_argument("--target-tbt-ms", type=float, default=None,
-                   help="sarathi: size each iteration's prefill so its predicted time stays within this "
-                        "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)")
-    g.add_argument("--cost-profile", default=None,
-                   help="a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of prompt prefixes computed before (default: on)")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads (per worker process with TP/PP; default: cores / processes)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard every layer over this many worker processes (Megatron-style)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="split the layers into this many pipeline stages, one micro-batch in flight each")
-    g.add_argument("--quantization", "-q", default="auto", choices=("auto", "none", "int8", "int4"),
-                   help="weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
-                        "its own 4/8 bits in bf16/fp16, anything else none)")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        scheduler=args.scheduler, enable_prefix_caching=args.enable_prefix_caching,
-                        target_tbt_ms=args.target_tbt_ms, cost_profile=args.cost_profile,
-                        num_threads=args.num_threads, seed=args.seed,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size,
-                        quantization=args.quantization)
+from carpool.args import add_engine_args, engine_config_from_args as engine_config
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
