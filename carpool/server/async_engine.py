@@ -96,10 +96,13 @@ class Delta:
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, with the first token
     _parts: list[str] = field(default_factory=list, repr=False)
 
     def merge(self, out: RequestOutput) -> None:
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self._parts.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)

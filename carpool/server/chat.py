@@ -17,7 +17,7 @@ from carpool.outputs import Logprob
 from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 from carpool.server.async_engine import Delta
 from carpool.server.protocol import APIError, ChatCompletionRequest, parse_request
-from carpool.server.serving import Prepared, ServingContext, finite, usage
+from carpool.server.serving import Prepared, ServingContext, finite, prompt_logprobs_body, usage
 from carpool.tools.forced import forced_output_parser, forced_schema
 from carpool.tools.parsers import ToolCallDelta, ToolParser, get_tool_parser
 
@@ -123,13 +123,15 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                 called[i] = called[i] or bool(calls)
                 delta = ({"content": parsed.content} if parsed.content else {}) | (
                     {"tool_calls": calls} if calls else {})
-            if not delta and not d.finished and not (req.logprobs and d.token_ids):
+            scored = ({"prompt_logprobs": prompt_logprobs_body(d.prompt_logprobs)}
+                      if req.prompt_logprobs is not None and d.prompt_logprobs is not None else {})
+            if not delta and not d.finished and not (req.logprobs and d.token_ids) and not scored:
                 return None
             lp = {"content": logprobs_content(ctx, d.token_ids, d.logprobs, top)} if req.logprobs else None
             choice = {"index": i, "delta": delta, "logprobs": lp,
                       "finish_reason": finish_reason(d.finish_reason, called[i]) if d.finished else None,
                       "stop_reason": d.stop_reason if d.finished else None}
-            return dict(base, choices=[choice], **extra)
+            return dict(base, choices=[choice], **extra, **scored)
 
         def usage_chunk(n: int, cached: dict[int, int]) -> dict:
             return dict(base, choices=[], usage=usage(p.prompt_tokens, n, p.cached_tokens(cached)))
@@ -154,6 +156,8 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                         "finish_reason": finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
     return JSONResponse({"id": p.request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
                          "choices": choices,
+                         **({"prompt_logprobs": prompt_logprobs_body(finals[0].prompt_logprobs)}
+                            if req.prompt_logprobs is not None else {}),
                          "usage": usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals),
                                         p.cached_tokens({i: c.num_cached_tokens for i, c in enumerate(finals)}))})
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from carpool.outputs import Logprob
 from carpool.server.async_engine import Delta
 from carpool.server.protocol import APIError, CompletionRequest, parse_request
-from carpool.server.serving import Prepared, ServingContext, finite, usage
+from carpool.server.serving import Prepared, ServingContext, finite, prompt_logprobs_body, usage
 
 DEFAULT_MAX_TOKENS = 16  # as in OpenAI's legacy completions API
 
@@ -37,7 +37,9 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
             ids = ids[-req.truncate_prompt_tokens:]
         ctx.check_length(len(ids), max_tokens, "prompt")
         prompts.append((p if isinstance(p, str) else None, ids))
-    entries = [(ids, ctx.sampling_params(req, max_tokens, j, req.logprobs))
+    # echo + logprobs scores the echoed prompt as well (lm-evaluation-harness' loglikelihood).
+    prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
+    entries = [(ids, ctx.sampling_params(req, max_tokens, j, req.logprobs, prompt_logprobs))
                for _, ids in prompts for j in range(req.n)]
     return Prepared(req, prompts, entries, request_id=f"cmpl-{uuid.uuid4().hex}")
 
@@ -50,7 +52,7 @@ def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[
         out["tokens"].append(s)
         out["text_offset"].append(text_offset)
         text_offset += len(s)
-        if d is None:  # prompt tokens under echo: the engine computes no prompt logprobs
+        if d is None:  # the first prompt token under echo: nothing precedes it
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
@@ -67,11 +69,15 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
     base = {"id": p.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     want_lp = req.logprobs is not None
 
-    def echoed(choice: int, text: str, ids: list[int], lps: list) -> tuple[str, list[int], list]:
-        """Prefix the prompt (text, ids, no logprobs) when echo is on."""
+    def echoed(choice: int, text: str, ids: list[int], lps: list, prompt_lps: list | None
+               ) -> tuple[str, list[int], list]:
+        """Prefix the prompt (text, ids, and its logprobs when they were asked for)."""
         ptext, pids = p.prompt_of(choice)
         ptext = ptext if ptext is not None else ctx.tokenizer.decode(pids)
-        return ptext + text, pids + ids, [None] * len(pids) + lps
+        return ptext + text, pids + ids, (prompt_lps or [None] * len(pids)) + lps
+
+    def scored_prompt(lps: list | None) -> dict:
+        return {"prompt_logprobs": prompt_logprobs_body(lps)} if req.prompt_logprobs is not None else {}
 
     if req.stream:
         started, offsets = [False] * len(group), [0] * len(group)
@@ -79,8 +85,9 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
 
         def chunk(i: int, d: Delta) -> dict | None:
             text, ids, lps = d.text, d.token_ids, d.logprobs
-            if req.echo and not started[i]:
-                text, ids, lps = echoed(i, text, ids, lps)
+            first = not started[i]
+            if req.echo and first:
+                text, ids, lps = echoed(i, text, ids, lps, d.prompt_logprobs)
             started[i] = True
             if not text and not d.finished and not (want_lp and ids):
                 return None
@@ -88,7 +95,8 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
             offsets[i] += len(text)
             choice = {"index": i, "text": text, "logprobs": logprobs,
                       "finish_reason": d.finish_reason if d.finished else None,
-                      "stop_reason": d.stop_reason if d.finished else None}
+                      "stop_reason": d.stop_reason if d.finished else None,
+                      **(scored_prompt(d.prompt_logprobs) if first else {})}
             return dict(base, choices=[choice], **extra)
 
         def usage_chunk(n: int, cached: dict[int, int]) -> dict:
@@ -101,10 +109,11 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
     for i, c in enumerate(finals):
         text, ids, lps = c.text, c.token_ids, c.logprobs
         if req.echo:
-            text, ids, lps = echoed(i, text, ids, lps)
+            text, ids, lps = echoed(i, text, ids, lps, c.prompt_logprobs)
         choices.append({"index": i, "text": text,
                         "logprobs": logprobs_body(ctx, ids, lps, 0) if want_lp else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        **scored_prompt(c.prompt_logprobs)})
     return JSONResponse(dict(base, choices=choices,
                              usage=usage(p.prompt_tokens, sum(len(c.token_ids) for c in finals),
                                          p.cached_tokens({i: c.num_cached_tokens for i, c in enumerate(finals)}))))

@@ -68,7 +68,7 @@ class StreamOptions(_Strict):
 # and logged once by name. Only undeclared fields are checked: chat declares `tool_choice`, so it
 # is refused on /v1/completions alone.
 UNSUPPORTED_FIELDS = frozenset({
-    "guided_decoding_backend", "prompt_logprobs", "use_beam_search", "length_penalty",
+    "guided_decoding_backend", "use_beam_search", "length_penalty",
     "logits_processors", "return_tokens_as_token_ids", "functions", "function_call", "tool_choice",
     "prediction", "vllm_xargs",
 })
@@ -138,6 +138,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: score the prompt
     # Structured outputs (carpool/structured): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* fields.
     response_format: ResponseFormat | None = None

@@ -61,6 +61,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's JSON for prompt logprobs: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -98,9 +108,12 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, d: Delta) -> None:
         self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -132,6 +145,8 @@ class ServingContext:
         self.model_name = self.served_model_names[0]
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        # What a request leaves unset comes from the model's generation_config.json (as in vLLM).
+        self.sampling_defaults = engine.default_sampling_params()
         # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own
         # copy, so that the two threads never share one tokenizer object.
         try:
@@ -209,10 +224,13 @@ class ServingContext:
                            f"the completion). Reduce the length of the {param} or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
 
-    def sampling_params(self, req, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int, choice: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """One choice's parameters; `prompt_logprobs` defaults to the request's own field."""
         if req.min_tokens > max_tokens:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
         logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+        d = self.sampling_defaults
         seed = None
         if req.seed is not None:  # choice j draws with seed + j, wrapped into the 64-bit range
             seed = (req.seed + choice + 2**63) % 2**64 - 2**63
@@ -220,12 +238,12 @@ class ServingContext:
             return SamplingParams(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k in (None, 0) else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                temperature=d.temperature if req.temperature is None else req.temperature,
+                top_p=d.top_p if req.top_p is None else req.top_p,
+                top_k=d.top_k if req.top_k is None else (-1 if req.top_k == 0 else req.top_k),
+                min_p=d.min_p if req.min_p is None else req.min_p,
                 seed=seed,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 stop=req.stop or [],
@@ -238,6 +256,7 @@ class ServingContext:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 output_kind="delta",
                 structured_outputs=self.structured_outputs(req),
             )

@@ -26,8 +26,7 @@ def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_decoding_backend", "xgrammar"), ("logits_processors", ["mine"]),
-    ("prompt_logprobs", 1), ("use_beam_search", True),
+    ("guided_decoding_backend", "xgrammar"), ("logits_processors", ["mine"]), ("use_beam_search", True),
     ("tool_choice", "required"),
 ])
 def test_fields_that_would_change_the_output_are_refused(served, field, value):
