@@ -128,6 +128,13 @@ def cmd_bench_quant(args) -> int:
     return 0
 
 
+def cmd_bench_structured(args) -> int:
+    from carpool.bench.structured import run_structured_bench
+
+    run_structured_bench(engine_config(args), args)
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from carpool.sim.run import run_simulate
 
@@ -284,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output", default="bench_results/quant")
     add_engine_args(q)
     q.set_defaults(func=cmd_bench_quant)
+
+    st = bench.add_parser("structured", help="structured outputs: every output of 53 JSON schemas validates; "
+                                             "decode step time, all rows constrained vs none")
+    st.add_argument("--batch", type=bo.positive_int, default=16, help="requests decoding together")
+    st.add_argument("--rounds", type=bo.positive_int, default=8, help="rounds per mode, alternating")
+    st.add_argument("--decode-tokens", type=bo.positive_int, default=24, help="max tokens per timed request")
+    st.add_argument("--max-tokens", type=bo.positive_int, default=200, help="max tokens per validity request")
+    st.add_argument("--output", default="bench_results/structured")
+    add_engine_args(st)
+    st.set_defaults(func=cmd_bench_structured)
 
     def serving_like(name: str, help: str, output: str, workload: dict, func, qps_default) -> argparse.ArgumentParser:
         s = bench.add_parser(name, help=help)
