@@ -53,6 +53,7 @@ class MaskStats:
     """Running totals, for `carpool bench structured`: how long masks took to compute (in the
     background thread) and how long the engine still waited for them after the forward pass."""
 
+    num_jobs: int = 0  # steps with constrained rows
     num_masks: int = 0
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
@@ -115,6 +116,7 @@ class StructuredOutputs:
         words = (self.compiler.tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
         fill_next_token_bitmask_par(self._llg_executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.stats.num_jobs += 1
         self.stats.num_masks += len(matchers)
         self.stats.compute_seconds += time.perf_counter() - start
         return bitmask
