@@ -7,6 +7,12 @@ model. Two errors are reported:
 - per iteration: the cost model's prediction for each batch the engine actually ran, against the
   measured step time (this isolates the cost model from scheduling divergence);
 - per run: TTFT and TBT P50/P99 of the simulation against the real run's.
+
+Each is reported twice: for the profile's cost model, and for the online step-time fit the
+SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. The fit's
+iteration error is one step ahead (each step predicted before it is observed); its simulation
+uses the fit as it stood at the end of the real run. The fit corrects what a profile taken on
+another workload or in another process gets wrong (one calibration factor for every shape).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from carpool.bench.metrics import summarize
 from carpool.bench.options import SchedulerSpec
 from carpool.bench.workload import PromptSource, build_workload
 from carpool.engine import LLMEngine
-from carpool.sim.cost_model import BatchShape, ProfiledCostModel
+from carpool.core.step_cost import StepCostModel
+from carpool.sim.cost_model import BatchShape, FittedCostModel, ProfiledCostModel, seeded_step_cost, step_time
 from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
 
@@ -32,12 +39,53 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
+def one_step_ahead(cost: ProfiledCostModel, shapes: list[BatchShape], measured: list[float], budget: int,
+                   max_model_len: int) -> tuple[list[float], StepCostModel]:
+    """The online fit's prediction for each step made before that step is observed (seeded
+    from the profile, as `--cost-profile` seeds the engine's): an out-of-sample error."""
+    fit, _ = seeded_step_cost(cost, budget, max_model_len, snap=False)
+    predicted = []
+    for shape, seconds in zip(shapes, measured):
+        predicted.append(fit.predict(shape))
+        fit.observe(shape, seconds)
+    return predicted, fit
+
+
+def errors_by_kind(predicted: list[float], measured: list[float], shapes: list[BatchShape]) -> dict:
+    signed = (np.array(predicted) - np.array(measured)) / np.array(measured)
+    errors = np.abs(signed)
+    with_prefill = np.array([bool(sh.prefills) for sh in shapes])
+    return {"iteration_error_p50": float(np.median(errors)),
+            "iteration_error_p90": float(np.percentile(errors, 90)),
+            # signed medians by kind: a bias on one kind shifts TTFT (prefills) or TBT (decodes)
+            "prefill_iteration_bias": float(np.median(signed[with_prefill])) if with_prefill.any() else None,
+            "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None}
+
+
+def latency_errors(real_summary, sim_summary) -> dict:
+    latency = {}
+    for metric in ("ttft", "tbt"):
+        for q in ("p50", "p99"):
+            r, s = getattr(getattr(real_summary, metric), q), getattr(getattr(sim_summary, metric), q)
+            latency[f"{metric}_{q}"] = {"real": r, "simulated": s, "error": relative_error(s, r)}
+    return latency
+
+
 def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, args) -> dict:
+    """The profile's predictions, and the online fit's (`sarathi:dynamic`: the engine's own
+    policy seeded from the profile; its simulation starts from the same seed)."""
     from carpool.core.scheduler import make_scheduler
 
     scheduler, budget = spec.name, spec.budget or args.max_num_batched_tokens
+    ref = reference_decode_time(cost)
+    target = None
+    dynamic = {}
+    if spec.dynamic:
+        target = args.target_tbt_ms / 1e3 if args.target_tbt_ms else 5 * ref
+        fit, sizes = seeded_step_cost(cost, budget, engine.max_model_len)
+        dynamic = dict(target_tbt=target, cost=fit, chunk_sizes=sizes)
     engine.scheduler = make_scheduler(scheduler, engine.block_manager, budget, args.max_num_seqs,
-                                      engine.max_model_len)
+                                      engine.max_model_len, **dynamic)
     specs = build_workload(workload_config(args, args.qps), PromptSource.from_tokenizer(engine.tokenizer))
     shapes: list[BatchShape] = []
     driver = InProcessDriver(engine)
@@ -50,37 +98,32 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
     finally:
         stop_recording()
     measured = [s.duration for s in steps]
-    predicted = [sum(cost.stage_time(sh, st) for st in range(cost.num_stages)) for sh in shapes[-len(steps):]]
-    signed = (np.array(predicted) - np.array(measured)) / np.array(measured)
-    errors = np.abs(signed)
-    with_prefill = np.array([bool(sh.prefills) for sh in shapes[-len(steps):]])
+    shapes = shapes[-len(steps):]
+    predicted = [step_time(cost, sh) for sh in shapes]
+    online, fit = one_step_ahead(cost, shapes, measured, budget, engine.max_model_len)
 
     # The same requests, token ids included, so that prefix-cache hits are the same too.
     cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget,
                         max_num_seqs=args.max_num_seqs, block_size=engine.block_manager.block_size,
                         num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
-                        enable_prefix_caching=engine.block_manager.enable_prefix_caching)
-    sim = simulate(specs, cfg, cost)
-    ref = reference_decode_time(cost)
+                        enable_prefix_caching=engine.block_manager.enable_prefix_caching,
+                        target_tbt=target, seed_fit=True)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
-    sim_summary, _ = summarize(timelines(sim), iterations(sim), decode_time=ref)
-    latency = {}
-    for metric in ("ttft", "tbt"):
-        for q in ("p50", "p99"):
-            r, s = getattr(getattr(real_summary, metric), q), getattr(getattr(sim_summary, metric), q)
-            latency[f"{metric}_{q}"] = {"real": r, "simulated": s, "error": relative_error(s, r)}
+    sim = simulate(specs, cfg, cost)
+    fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
     return {
         "scheduler": spec.label,
         "iterations": len(steps),
-        "iteration_error_p50": float(np.median(errors)),
-        "iteration_error_p90": float(np.percentile(errors, 90)),
-        # signed medians by kind: a bias on one kind shifts TTFT (prefills) or TBT (decodes)
-        "prefill_iteration_bias": float(np.median(signed[with_prefill])) if with_prefill.any() else None,
-        "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None,
+        **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
         "iteration_time_predicted_s": float(np.sum(predicted)),
-        "latency": latency,
+        "latency": latency_errors(real_summary, summarize(timelines(sim), iterations(sim), decode_time=ref)[0]),
         "simulated_iterations": len(sim.micro_batches),
+        "online": {**errors_by_kind(online, measured, shapes),
+                   "latency": latency_errors(real_summary, summarize(timelines(fitted_sim), iterations(fitted_sim),
+                                                                    decode_time=ref)[0]),
+                   "coefficients": fit.coefficients()},
+        "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
     }
 
 
@@ -96,14 +139,15 @@ def run_fidelity(config, args) -> dict:
              "TTFT P99 real / sim (err) | TBT P50 real / sim (err) | TBT P99 real / sim (err) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        cells = []
-        for key in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"):
-            v = r["latency"][key]
-            cells.append(f"{v['real'] * 1e3:.0f} / {v['simulated'] * 1e3:.0f} ms ({v['error']:+.0%})")
-        bias = " / ".join("-" if b is None else f"{b:+.1%}"
-                          for b in (r["prefill_iteration_bias"], r["decode_iteration_bias"]))
-        lines.append(f"| {r['scheduler']} | {r['iterations']} | {r['iteration_error_p50']:.1%} / "
-                     f"{r['iteration_error_p90']:.1%} | {bias} | " + " | ".join(cells) + " |")
+        for label, e in ((f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"])):
+            cells = []
+            for key in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"):
+                v = e["latency"][key]
+                cells.append(f"{v['real'] * 1e3:.0f} / {v['simulated'] * 1e3:.0f} ms ({v['error']:+.0%})")
+            bias = " / ".join("-" if b is None else f"{b:+.1%}"
+                              for b in (e["prefill_iteration_bias"], e["decode_iteration_bias"]))
+            lines.append(f"| {label} | {r['iterations']} | {e['iteration_error_p50']:.1%} / "
+                         f"{e['iteration_error_p90']:.1%} | {bias} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     print(table)
