@@ -39,7 +39,6 @@ IGNORED: dict[str, str] = {
     "hf_token": "nothing is downloaded",
     "download_dir": "nothing is downloaded",
     "task": "carpool only generates",
-    "generation_config": "carpool reads the model folder's own generation_config.json",
     "compilation_config": "carpool's forward is always eager",
 }
 _warned: set[str] = set()
@@ -63,6 +62,8 @@ FLAG_EXTRAS: dict[str, dict[str, Any]] = {
                      "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
                              "its own 4/8 bits in bf16/fp16, anything else none)"},
     "tensor_parallel_size": {"short": "-tp", "help": "shard every layer over this many worker processes"},
+    "generation_config": {"help": "default sampling parameters: auto (the model's generation_config.json), "
+                                  "vllm (none), or a folder holding a generation_config.json"},
     "pipeline_parallel_size": {"short": "-pp",
                                "help": "split the layers into this many pipeline stages, one micro-batch in flight each"},
 }
@@ -121,7 +122,7 @@ def add_vllm_engine_flags(p) -> None:
     g = p.add_argument_group("accepted from vllm serve (mapped, or ignored with a warning)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="same as --kv-cache-memory, in bytes")
     for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",
-                 "--generation-config", "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
+                 "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
         g.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
         g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)

@@ -149,6 +149,9 @@ class EngineConfig:
     # Weight-only quantized linears on CPU (model/quant.py): none, int8, int4, or auto (a GGUF's
     # own 4/8-bit precision on CPU in bf16/fp16, else none; loader.resolve_quantization).
     quantization: str = "auto"
+    # Default sampling parameters (vLLM's --generation-config): "auto" takes the model folder's
+    # generation_config.json, "vllm" none (SamplingParams' own), a folder path that folder's.
+    generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # How the T x P worker processes meet: None spawns them on this host (loopback rendezvous);
@@ -184,6 +187,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose auto, none, int8 or int4")
+        if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config)
+                                                                   / "generation_config.json").is_file():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
         if self.distributed_init_method is None:

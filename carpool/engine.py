@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -22,6 +23,7 @@ from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_me
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
 from carpool.executor import Executor, ExecutorError, make_executor
+from carpool.model.loader import hf_generation_config
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler, score_prompt
@@ -65,6 +67,10 @@ class LLMEngine:
         ex = self.executor
         self.model = ex.model  # the whole model, or with TP/PP the driver's shard (last stage)
         self.model_config = ex.model_config
+        if config.generation_config == "vllm":
+            self.model_config.generation_defaults = {}
+        elif config.generation_config != "auto":
+            self.model_config.generation_defaults = hf_generation_config(Path(config.generation_config))[1]
         self.tokenizer = load_tokenizer(config.model, gguf_reader=ex.gguf_reader)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
 

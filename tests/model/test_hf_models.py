@@ -97,6 +97,16 @@ def test_generation_config_sampling_defaults(tmp_path, engine_fp32):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 7  # a request's own SamplingParams win
+    # vLLM's --generation-config: "vllm" ignores the model's defaults, a folder supplies its own
+    assert LLMEngine(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20,
+                     generation_config="vllm").default_sampling_params() == SamplingParams()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, generation_config=str(other))
+    assert engine.default_sampling_params() == SamplingParams(temperature=0.3)
+    with pytest.raises(ValueError, match="generation_config"):
+        LLMEngine(model=str(tmp_path), generation_config=str(tmp_path / "missing"))
 
 
 # ---------------------------------------------------------------- RoPE scaling
