@@ -8,6 +8,7 @@ rate and memory bandwidth, and single-stream decode is compared with transformer
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -19,6 +20,8 @@ import torch
 from carpool.bench.synthetic import SyntheticBatches
 from carpool.config import EngineConfig
 from carpool.engine import LLMEngine
+from carpool.model.llama import PackedLinear
+from carpool.model.quant import QuantizedLinear
 
 
 @dataclass
@@ -50,8 +53,29 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads, as stored: a quantized linear's packed weights and
+    scales (its dense copy serves only large batches), a oneDNN-packed weight, every other
+    tensor once (tied ones once), but not the embedding table (one row per token)."""
+    skip = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    skip |= {id(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "embed_tokens"}
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if id(m) in skip:
+            continue
+        if isinstance(m, PackedLinear):  # the packed weight is an attribute, not a parameter
+            total += m.packed.numel() * m.packed.element_size()
+        for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
 class Roofline:
-    """Lower bound on an iteration's time: max(FLOPs / GEMM peak, bytes / DRAM bandwidth)."""
+    """Lower bound on an iteration's time: max(FLOPs / GEMM peak, bytes / DRAM bandwidth), with
+    the weights' bytes as stored (quantized or not)."""
 
     def __init__(self, engine: LLMEngine, machine: Machine):
         cfg = engine.model_config
@@ -59,6 +83,7 @@ class Roofline:
         h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         self.layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter
         self.elt = engine.dtype.itemsize
+        self.weight_bytes = weight_bytes_read(engine.model)
         self.kv_token_bytes = 2 * cfg.num_layers * kv * self.elt
         self.peak = machine.gemm_tflops["bfloat16" if engine.dtype == torch.bfloat16 else "float32"] * 1e12
         self.bw = machine.mem_gbs * 1e9
@@ -70,9 +95,8 @@ class Roofline:
         flops = 2 * tokens * cfg.num_layers * self.layer_params + 2 * sampled * cfg.hidden_size * cfg.vocab_size
         attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
         flops += attn * (prefill_tokens * (prefill_context + prefill_tokens / 2) + decodes * decode_context)
-        weights = (cfg.num_layers * self.layer_params + cfg.hidden_size * cfg.vocab_size) * self.elt
         kv = self.kv_token_bytes * (prefill_context + prefill_tokens + decodes * (decode_context + 1))
-        return max(flops / self.peak, (weights + kv) / self.bw)
+        return max(flops / self.peak, (self.weight_bytes + kv) / self.bw)
 
 
 def time_batch(synthetic: SyntheticBatches, grants, repeats: int) -> float:
@@ -170,6 +194,13 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
                   f"hybrid {hybrid*1e3:7.1f} ms  decode/token alone {row['decode_token_alone_s']*1e3:6.2f} ms "
                   f"piggybacked {row['decode_token_piggybacked_s']*1e3:6.2f} ms ({row['piggyback_ratio']:.2f}x)")
 
+    # One decode alone: how close a step comes to reading the weights once at DRAM speed.
+    batch1 = time_batch(synthetic, [(contexts[0], 1)], repeats)
+    batch1_decode = {"step_s": batch1, "roofline_s": roof.bound(0, 0, 1, L), "weight_bytes": roof.weight_bytes}
+    batch1_decode["x_roofline"] = batch1 / batch1_decode["roofline_s"]
+    print(f"batch-1 decode step {batch1*1e3:.1f} ms = {batch1_decode['x_roofline']:.2f}x its roofline "
+          f"({roof.weight_bytes/1e6:.0f} MB of weights at {machine.mem_gbs:.1f} GB/s)")
+
     # Iteration cost around the default budget: is the token count on a fast size?
     sweep = {n: prefill(n) for n in range(480, 561, 8) if n <= engine.max_model_len}
     sweep.update({n: prefill(n) for n in (513, 520, 528) if n <= engine.max_model_len})
@@ -178,7 +209,9 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
     result = {
         "machine": asdict(machine),
         "model": config.model, "dtype": str(engine.dtype), "context": L, "repeats": repeats,
+        "quantization": config.quantization,
         "rows": rows,
+        "batch1_decode": batch1_decode,
         "token_count_sweep_s": sweep,
         "single_stream": {"carpool": carpool_single_stream(engine, 128)},
     }
@@ -208,6 +241,10 @@ def write_outputs(result: dict, out: Path) -> None:
             f"{r['hybrid_s']*1e3:.1f} | {r['decode_token_alone_s']*1e3:.2f} | "
             f"{r['decode_token_piggybacked_s']*1e3:.2f} | {r['piggyback_ratio']:.2f} | "
             f"{r['prefill_roofline_frac']:.2f} / {r['decode_roofline_frac']:.2f} / {r['hybrid_roofline_frac']:.2f} |")
+    b1 = result["batch1_decode"]
+    lines += ["", f"Batch-1 decode step (context {result['context']}): {b1['step_s']*1e3:.1f} ms, "
+                  f"{b1['x_roofline']:.2f}x its roofline ({b1['roofline_s']*1e3:.1f} ms: "
+                  f"{b1['weight_bytes']/1e6:.0f} MB of weights as stored, quantization {result['quantization']})."]
     lines += ["", "| tokens in iteration | ms | us/token |", "|---|---|---|"]
     for n, s in sorted(result["token_count_sweep_s"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {n} | {s*1e3:.1f} | {s/int(n)*1e6:.1f} |")
