@@ -63,6 +63,7 @@ def test_bad_trace_file_from_cli(capsys, tmp_path):
     assert rc == 2 and "missing column(s) num_prefill_tokens, num_decode_tokens" in err
 
 
+@pytest.mark.slow  # ~40 s: the CLI end to end (make test-slow)
 def test_serving_end_to_end(capsys, tmp_path):
     out = tmp_path / "serving"
     rc, stdout, err = run(capsys, "bench", "serving", "--schedulers", "sarathi:32,vllm", "--qps", "8",

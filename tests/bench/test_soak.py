@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from carpool.cli import main
 
 
+@pytest.mark.slow  # ~40 s: the CLI end to end (make test-slow)
 def test_short_soak_passes(tmp_path):
     out = tmp_path / "soak"
     rc = main(["bench", "soak", "--duration", "8", "--clients", "3", "--max-waiting-requests", "4",

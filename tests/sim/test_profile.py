@@ -58,4 +58,4 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
         assert 0 <= r["iteration_error_p50"] <= r["iteration_error_p90"]
         assert set(r["latency"]) == {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
         assert all(v["real"] > 0 and v["simulated"] > 0 for v in r["latency"].values())
-    assert "| sarathi |" in (out / "fidelity.md").read_text()
+    assert "| sarathi, profile |" in (out / "fidelity.md").read_text()
