@@ -27,7 +27,6 @@ IGNORED: dict[str, str] = {
     "tokenizer": "carpool always uses the model's own tokenizer",
     "tokenizer_mode": "carpool always uses the model's own tokenizer",
     "trust_remote_code": "carpool runs no code from model folders",
-    "enforce_eager": "carpool's forward is always eager",
     "swap_space": "preempted requests are recomputed, never swapped",
     "cpu_offload_gb": "no offloading",
     "revision": "models are local files",
@@ -39,7 +38,7 @@ IGNORED: dict[str, str] = {
     "hf_token": "nothing is downloaded",
     "download_dir": "nothing is downloaded",
     "task": "carpool only generates",
-    "compilation_config": "carpool's forward is always eager",
+    "compilation_config": "carpool compiles with Inductor's defaults (--enforce-eager to turn it off)",
 }
 _warned: set[str] = set()
 
@@ -64,6 +63,8 @@ FLAG_EXTRAS: dict[str, dict[str, Any]] = {
     "tensor_parallel_size": {"short": "-tp", "help": "shard every layer over this many worker processes"},
     "generation_config": {"help": "default sampling parameters: auto (the model's generation_config.json), "
                                   "vllm (none), or a folder holding a generation_config.json"},
+    "enforce_eager": {"help": "run the forward eagerly instead of compiled by torch.compile (default: compiled, "
+                              "warmed up at start-up; CARPOOL_ENFORCE_EAGER=1 also turns it off)"},
     "pipeline_parallel_size": {"short": "-pp",
                                "help": "split the layers into this many pipeline stages, one micro-batch in flight each"},
 }
@@ -81,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         extras = dict(FLAG_EXTRAS.get(f.name, {}))
         names = ["--" + f.name.replace("_", "-")] + ([extras.pop("short")] if "short" in extras else [])
         default = None if f.default is MISSING else f.default
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             g.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, **extras)
         else:
             extras.setdefault("type", _SCALARS[f.type.split(" | ")[0]])
@@ -124,7 +125,7 @@ def add_vllm_engine_flags(p) -> None:
     for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",
                  "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
         g.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
         g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)

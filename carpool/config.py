@@ -152,6 +152,10 @@ class EngineConfig:
     # Default sampling parameters (vLLM's --generation-config): "auto" takes the model folder's
     # generation_config.json, "vllm" none (SamplingParams' own), a folder path that folder's.
     generation_config: str = "auto"
+    # Run the forward eagerly instead of compiled (model/compiled.py; vLLM's flag). None: the
+    # environment's CARPOOL_ENFORCE_EAGER=1 (the test suite sets it: it builds hundreds of
+    # engines), else False.
+    enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # How the T x P worker processes meet: None spawns them on this host (loopback rendezvous);
@@ -193,6 +197,8 @@ class EngineConfig:
                              f"generation_config.json, got {self.generation_config!r}")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
+        if self.enforce_eager is None:
+            self.enforce_eager = os.environ.get("CARPOOL_ENFORCE_EAGER", "0") == "1"
         if self.distributed_init_method is None:
             self.distributed_init_method = os.environ.get("CARPOOL_DISTRIBUTED_INIT") or None
         if self.distributed_init_method not in (None, "env://"):

@@ -67,7 +67,8 @@ class UniprocExecutor:
         self._queue: deque[ScheduledBatch] = deque()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype,
+                                  compile=not self.config.enforce_eager)
 
     @property
     def num_in_flight(self) -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import time
-
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,8 +13,11 @@ from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
+from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 from carpool.model.quant import choose_kernels
+
+log = logging.getLogger("carpool")
 
 
 @dataclass
@@ -49,7 +52,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, compile: bool = False):
         self.model = model
         self.last_forward_seconds = 0.0
         if can_pack_linears(device, dtype):
@@ -66,6 +69,37 @@ class ModelRunner:
         self.kv_cache = torch.empty(model.num_local_layers, 2, (num_blocks + 1) * block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
+        self.compiled = compile and can_compile(model) and self.compile()
+
+    def compile(self) -> bool:
+        """Compile the model (model/compiled.py) and run one step of each warm-up size, so no
+        request waits for a compilation; on failure put the model back to eager."""
+        start = time.perf_counter()
+        compile_model(self.model)
+        try:
+            for n in warm_up_sizes(self.model):
+                self.warm_up_step(n)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure leaves a working eager model
+            uncompile_model(self.model)
+            log.warning("torch.compile failed, running eager: %s: %s", type(e).__name__, str(e).splitlines()[0])
+            return False
+        finally:
+            self.kv_cache[:, :, self.pad_block * self.block_size:].zero_()
+        log.info("compiled the forward for %s tokens in %.1f s", warm_up_sizes(self.model),
+                 time.perf_counter() - start)
+        return True
+
+    @torch.inference_mode()
+    def warm_up_step(self, num_tokens: int) -> None:
+        """A decode-only step of `num_tokens` rows, all over the pad block (zeroed again after)."""
+        pad_slot = self.pad_block * self.block_size
+        plan = StepPlan([0] * num_tokens, np.zeros(num_tokens, dtype=np.int64),
+                        np.full(num_tokens, pad_slot, dtype=np.int64), [[self.pad_block]] * num_tokens,
+                        [1] * num_tokens, [], [], [])
+        input_ids, positions, meta = self.tensors(plan)
+        hidden = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.kv_cache.dtype,
+                             device=self.device)
+        self.model(input_ids, positions, self.kv_cache, meta, hidden)
 
     def slots_for(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Eager forwards unless a test asks for the compiled one: the suite builds hundreds of engines,
+# and compiling each would add minutes (tests/model/test_compiled.py covers compilation).
+os.environ.setdefault("CARPOOL_ENFORCE_EAGER", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from carpool.config import default_model_path  # noqa: E402

@@ -65,7 +65,8 @@ class Worker:
         self.timings: deque[StageTiming] = deque(maxlen=1_000_000)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype,
+                                  compile=not self.config.enforce_eager)
 
     def run(self, micro_batch: int, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's share of a micro-batch; logits on the driver, None or hidden elsewhere."""

@@ -85,11 +85,12 @@ def test_vllm_serve_command_line_parses_and_maps(caplog, monkeypatch):
     config = apply_vllm_engine_flags(args, engine_config(args))
     options = ServerOptions.from_args(args)
     assert config.kv_cache_memory == 1_000_000 and config.model == "some-model.gguf"
+    assert config.enforce_eager is True  # honoured, as in vLLM
     assert options.api_key == "from-vllm-env" and options.served_model_name == ["a", "b"]
     assert options.allowed_origins == ["https://x.example"] and options.enable_log_requests
     assert options.chat_template_text() == "{{ messages[0].content }}" and options.metrics_namespace == "vllm"
     text = " ".join(caplog.messages)
-    assert "--gpu-memory-utilization" in text and "--enforce-eager" in text and "chunked" in text
+    assert "--gpu-memory-utilization" in text and "chunked" in text and "--enforce-eager" not in text
 
 
 def test_cors_and_chat_template(server_factory):
