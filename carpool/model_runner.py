@@ -159,7 +159,7 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, end, None, None))
             else:
                 mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
-                prefills.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev), start))
+                prefills.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev)))
         tables = mask = None
         if plan.decode_tables:
             width = max(len(t) for t in plan.decode_tables)
