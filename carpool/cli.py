@@ -121,6 +121,20 @@ def cmd_bench_hybrid(args) -> int:
     return 0
 
 
+def cmd_bench_attention(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from carpool.bench.attention import run_attention_bench, write_outputs
+
+    dtype = getattr(torch, args.dtype)
+    pairs = lambda spec: [tuple(int(x) for x in item.split("x")) for item in spec.split(",")]
+    rows = run_attention_bench(dtype, pairs(args.decodes), pairs(args.chunks), args.repeats)
+    write_outputs(rows, dtype, Path(args.output))
+    return 0
+
+
 def cmd_bench_quant(args) -> int:
     from carpool.bench.quant import run_quant_bench
 
@@ -264,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     add_engine_args(h)
     h.set_defaults(func=cmd_bench_hybrid)
+
+    a = bench.add_parser("attention", help="the engine's SDPA attention vs the grouped batched matmuls it "
+                                           "replaced, per layer call")
+    a.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    a.add_argument("--decodes", default="1x512,1x2048,16x512,32x1024", help="BATCHxCONTEXT,...")
+    a.add_argument("--chunks", default="64x512,256x512,256x2048,512x1024,1024x1024", help="CHUNKxCACHED,...")
+    a.add_argument("--repeats", type=int, default=20)
+    a.add_argument("--output", default="bench_results/attention")
+    a.set_defaults(func=cmd_bench_attention)
 
     k = bench.add_parser("soak", help="minutes of mixed valid, malformed, disconnecting, slow and bursty clients "
                                       "against a `carpool serve` process: no 5xx, nothing leaked, outputs intact")

@@ -8,9 +8,9 @@ masks are built once per step and shared by every layer.
 
 Contexts are gathered whole blocks at a time (a 16-token block is one contiguous run of memory;
 gathering slot by slot was 15x slower). torch 2.13's CPU SDPA (flash, GQA in the kernel) beat
-two batched matmuls with the query heads grouped per KV head, which carpool used before, at
-every shape measured: 2.2x (batch 1) and 4.9x (batch 16) for decodes over 512 tokens, and
-2-8x for chunks of 64..1024 tokens over a cached prefix (BENCHMARKS.md "Attention as SDPA").
+the two batched matmuls with the query heads grouped per KV head that carpool used before, at
+every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached prefix in bf16
+(1.3-2.3x in fp32); `carpool bench attention`, BENCHMARKS.md "Attention as SDPA".
 """
 
 from __future__ import annotations
