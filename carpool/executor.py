@@ -68,7 +68,7 @@ class UniprocExecutor:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype,
-                                  compile=not self.config.enforce_eager)
+                                  enforce_eager=self.config.enforce_eager)
 
     @property
     def num_in_flight(self) -> int:

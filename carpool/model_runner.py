@@ -52,7 +52,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, compile: bool = False):
+                 device: torch.device, dtype: torch.dtype, enforce_eager: bool = True):
         self.model = model
         self.last_forward_seconds = 0.0
         if can_pack_linears(device, dtype):
@@ -69,9 +69,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(model.num_local_layers, 2, (num_blocks + 1) * block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
-        self.compiled = compile and can_compile(model) and self.compile()
+        self.compiled = not enforce_eager and can_compile(model) and self.compile_forward()
 
-    def compile(self) -> bool:
+    def compile_forward(self) -> bool:
         """Compile the model (model/compiled.py) and run one step of each warm-up size, so no
         request waits for a compilation; on failure put the model back to eager."""
         start = time.perf_counter()

@@ -66,7 +66,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype,
-                                  compile=not self.config.enforce_eager)
+                                  enforce_eager=self.config.enforce_eager)
 
     def run(self, micro_batch: int, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's share of a micro-batch; logits on the driver, None or hidden elsewhere."""

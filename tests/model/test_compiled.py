@@ -118,9 +118,9 @@ def test_enforce_eager_compiles_nothing(model_path):
     assert not any(isinstance(m, CompiledAbove) for layer in engine.model.layers for m in vars(layer).values())
 
 
-def tiny_runner(folder, compile: bool) -> ModelRunner:
+def tiny_runner(folder) -> ModelRunner:
     model = load_model(str(folder), torch.float32, torch.device("cpu"))
-    return ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32, compile=compile)
+    return ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32, enforce_eager=False)
 
 
 def test_each_model_compiles_its_own_graphs(tmp_path, engine_fp32):
@@ -128,7 +128,7 @@ def test_each_model_compiles_its_own_graphs(tmp_path, engine_fp32):
     with them: each model's compiled forward equals its eager forward."""
     for kind in ("llama", "qwen2"):
         write_checkpoint(tmp_path / kind, kind, engine_fp32.tokenizer)
-        runner = tiny_runner(tmp_path / kind, compile=True)
+        runner = tiny_runner(tmp_path / kind)
         assert runner.compiled
         x = torch.randn(COMPILE_MIN_TOKENS, runner.model.config.hidden_size)
         cos, sin = runner.model.rotary.cos_sin(torch.arange(COMPILE_MIN_TOKENS), x.dtype)
@@ -150,7 +150,7 @@ def test_failed_compile_falls_back_to_eager(tmp_path, engine_fp32, monkeypatch, 
 
     monkeypatch.setattr(compiled_module.torch, "compile", broken_compile)
     with caplog.at_level(logging.WARNING, logger="carpool"):
-        runner = tiny_runner(tmp_path, compile=True)
+        runner = tiny_runner(tmp_path)
     assert not runner.compiled
     assert "running eager" in caplog.text and "no C++ compiler" in caplog.text
     assert not any(isinstance(m, CompiledAbove) for layer in runner.model.layers for m in vars(layer).values())
