@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -72,15 +73,15 @@ def run_attention_bench(dtype: torch.dtype, decodes: list[tuple[int, int]], chun
             mask = torch.ones(batch, 1, 1, width * BLOCK, dtype=torch.bool)
             q = torch.randn(batch, HEADS, DIM, generator=gen).to(dtype)
             args = (q, cache, tables, mask, DIM ** -0.5, BLOCK)
-            sdpa, base = interleaved_medians([lambda: decode_attention(*args), lambda: grouped_decode(*args)], repeats)
+            sdpa, base = interleaved_medians([partial(decode_attention, *args), partial(grouped_decode, *args)], repeats)
             rows.append({"kind": "decode", "batch": batch, "context": ctx, "sdpa_s": sdpa, "grouped_s": base})
         for n, cached in chunks:
             ctx = cached + n
             k, v = (torch.randn(ctx, KV_HEADS, DIM, generator=gen).to(dtype) for _ in range(2))
             q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
             mask = torch.arange(ctx)[None, :] <= torch.arange(cached, ctx)[:, None]
-            sdpa, base = interleaved_medians([lambda: chunk_attention(q, k, v, mask, DIM ** -0.5),
-                                              lambda: grouped_chunk(q, k, v, mask, cached, DIM ** -0.5)], repeats)
+            sdpa, base = interleaved_medians([partial(chunk_attention, q, k, v, mask, DIM ** -0.5),
+                                              partial(grouped_chunk, q, k, v, mask, cached, DIM ** -0.5)], repeats)
             rows.append({"kind": "chunk", "chunk": n, "cached": cached, "sdpa_s": sdpa, "grouped_s": base})
     for r in rows:
         r["speedup"] = r["grouped_s"] / r["sdpa_s"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+
 @dataclass
 class PrefillChunk:
     start: int  # first row of this chunk in the flat token matrix
