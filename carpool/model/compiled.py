@@ -10,8 +10,8 @@ calls already (the cache write, one SDPA for a step's decodes and one per prefil
 Only steps of at least COMPILE_MIN_TOKENS tokens run compiled. A compiled call costs ~50 us
 of Python (guard checks, wrappers) against ~5 us for an eager op, so at a few tokens per step
 the fused loops win nothing back (a batch-1 decode: 31.7 ms compiled vs 30.5 eager); from a
-few dozen tokens they do (a 256-token chunk: 100-103 ms vs 116-143 ms). BENCHMARKS.md
-"Compiled forward" has the side-by-side numbers and commands.
+few dozen tokens they do (a 256-token prefill: 101-103 ms vs 110-122 ms eager). BENCHMARKS.md
+"The compiled forward" has the numbers and how they were measured.
 
 Dynamic shapes take the place of token-count buckets: one graph per function serves every
 token count from COMPILE_MIN_TOKENS up (warmed up at start-up, so no request waits for a
