@@ -76,8 +76,9 @@ class ModelRunner:
         request waits for a compilation; on failure put the model back to eager."""
         start = time.perf_counter()
         compile_model(self.model)
+        sizes = warm_up_sizes(self.model)
         try:
-            for n in warm_up_sizes(self.model):
+            for n in sizes:
                 self.warm_up_step(n)
         except Exception as e:  # noqa: BLE001 -- any compiler failure leaves a working eager model
             uncompile_model(self.model)
@@ -85,8 +86,7 @@ class ModelRunner:
             return False
         finally:
             self.kv_cache[:, :, self.pad_block * self.block_size:].zero_()
-        log.info("compiled the forward for %s tokens in %.1f s", warm_up_sizes(self.model),
-                 time.perf_counter() - start)
+        log.info("compiled the forward for %s tokens in %.1f s", sizes, time.perf_counter() - start)
         return True
 
     @torch.inference_mode()
