@@ -13,7 +13,13 @@ from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
-from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
+from carpool.model.compiled import (
+    can_compile,
+    compile_model,
+    uncompile_model,
+    warm_up_sizes,
+)
+from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 from carpool.model.quant import choose_kernels
 
@@ -60,6 +66,7 @@ class ModelRunner:
         choose_kernels(model)  # quantized linears: up to which token count their kernel wins
         self.block_size = block_size
         self.device = device
+        self.decode_kernel = has_decode_kernel(device, dtype)  # else SDPA over gathered blocks
         attn = model.layers[0].self_attn
         # [layers, K/V, slots, kv_heads, head_dim]: a slot is one token's KV in one layer; block b
         # is slots [b * block_size, (b + 1) * block_size). Slots are written before they are read,
@@ -160,17 +167,19 @@ class ModelRunner:
             else:
                 mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
                 prefills.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev)))
-        tables = mask = None
+        tables = lens = mask = None
         if plan.decode_tables:
             width = max(len(t) for t in plan.decode_tables)
             tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in plan.decode_tables], device=dev)
             lens = torch.tensor(plan.decode_lens, device=dev)
-            mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            if not self.decode_kernel:
+                mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(plan.slot_mapping).to(dev),
             block_size=bs,
             num_decodes=len(plan.decode_tables),
             decode_block_tables=tables,
+            decode_context_lens=lens,
             decode_mask=mask,
             prefills=prefills,
         )

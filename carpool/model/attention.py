@@ -1,7 +1,9 @@
 """Paged attention over a block-addressed KV cache.
 
 The batch's tokens are laid out decodes first (one token each), then one chunk per prefilling
-sequence. Decodes share one masked SDPA call over their gathered contexts; a prefill chunk
+sequence. On CPU the decodes are one call of a C kernel that reads their blocks in place
+(model/csrc/paged_attention.c: 2-3x faster than SDPA over gathered blocks, which remains
+the path elsewhere: one masked SDPA call over the decodes' gathered contexts). A prefill chunk
 with nothing cached is one causal SDPA call, and one with a cached prefix one SDPA call over
 the prefix and itself, with a causal mask offset by the tokens already cached. Block tables and
 masks are built once per step and shared by every layer.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from carpool.model.cpu_kernels import paged_decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -35,7 +39,10 @@ class AttentionMetadata:
     block_size: int
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with a zeroed block
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64, each one's new token included
+    # [num_decodes, 1, 1, max_blocks * block_size] bool, for SDPA over gathered blocks; None when
+    # the C kernel (model/cpu_kernels.py) reads the blocks in place instead.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
 
 
@@ -73,7 +80,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     cache[1].index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd, bs = meta.num_decodes, meta.block_size
-    if nd:
+    if nd and meta.decode_mask is None:
+        paged_decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs, out[:nd])
+    elif nd:
         out[:nd] = decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_mask, scale, bs)
     for p in meta.prefills:
         if p.block_table is None:  # nothing cached: plain causal attention over the chunk

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from carpool.config import ModelConfig
+from carpool.model import cpu_kernels
 from carpool.model.attention import AttentionMetadata, paged_attention
 
 
@@ -25,12 +26,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.fuses(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype != torch.float32:  # one fused kernel (fp32 inside); 8 small ops cost more at decode
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # fp32: exactly the reference implementation's arithmetic, so outputs match it bit for bit.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add and the next norm, one pass on CPU in bf16."""
+        if cpu_kernels.fuses(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, delta)
+        x = x + delta
+        return x, self(x)
 
 
 def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -228,7 +238,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = apply_rope(qk, cos, sin)
+        qk = cpu_kernels.rope_(qk, cos, sin) if cpu_kernels.fuses(qk) else apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
 
@@ -248,7 +258,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.fuses(gate_up):
+            return self.tp.all_reduce(self.down_proj(cpu_kernels.silu_mul(gate_up)))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
@@ -273,8 +286,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.output(o)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(o))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,153 @@
+"""C kernels for the CPU, compiled on first use and loaded with ctypes.
+
+No torch headers: a C file and the system's C compiler build in about a second, where a torch
+C++ extension takes a minute. The library is cached per source, flags and CPU model
+(CARPOOL_KERNEL_CACHE, default ~/.cache/carpool/kernels), since `-march=native` code from one
+machine may not run on another. It links OpenMP by soname, so inside this process it binds to
+the libgomp torch already loaded and shares torch's threads. Without a compiler, or with
+CARPOOL_NO_KERNELS=1, callers fall back to torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("carpool")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+# -ffast-math lets gcc vectorise expf and reassociate the dot products. It is given when
+# compiling only: linked with it, gcc would add crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (torch included).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]  # libm brings libmvec, the vectorised expf
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CARPOOL_KERNEL_CACHE", Path.home() / ".cache" / "carpool" / "kernels"))
+
+
+def build(source: Path = SOURCE) -> Path:
+    """Compile `source` into a shared library (or reuse the cached one); returns its path."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    key = hashlib.sha256("\0".join([source.read_text(), cc, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_model()])
+                         .encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(lib)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # atomic: concurrent builders each write their own temp file
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) when they cannot be built here."""
+    if os.environ.get("CARPOOL_NO_KERNELS") == "1":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as e:
+        log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
+        return None
+    signatures = {
+        "paged_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                   _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+        "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
+        "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
+        "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
+    return lib
+
+
+def has_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in SUPPORTED_DTYPES and library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, block_size: int,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decodes over their cached contexts, read from the blocks in place. q: [B, heads, D] (rows
+    may be strided, heads and D dense); cache: [2, slots, kv_heads, D]; block_tables: [B, n]
+    int64; context_lens: [B] int64 -> out [B, heads, D]."""
+    num_seqs, num_heads, dim = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
+    assert cache[0].is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64
+    assert block_tables.is_contiguous() and context_lens.is_contiguous() and q.dtype == cache.dtype
+    library().paged_decode_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
+        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def fuses(x: torch.Tensor) -> bool:
+    """Whether the element-wise kernels below run for `x`: bf16 on CPU, eager (Inductor fuses
+    the same steps in compiled graphs), and the library built. fp32 keeps torch's ops."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's rows; with `delta`, (x + delta, RMSNorm(x + delta)): the residual add fused."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    x_out = None if delta is None else torch.empty_like(x)
+    library().rms_norm_bf16(x.data_ptr(), None if delta is None else delta.contiguous().data_ptr(),
+                            None if x_out is None else x_out.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                            x.numel() // x.shape[-1], x.shape[-1], eps)
+    return out if delta is None else (x_out, out)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on qk [T, heads, D] (rows may be strided, heads dense); cos, sin: [T, 1, D]."""
+    rows, heads, dim = qk.shape
+    assert qk.stride(2) == 1 and qk.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
+    library().rope_bf16(qk.data_ptr(), rows, qk.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr())
+    return qk
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    library().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    return out

@@ -1,0 +1,210 @@
+/* CPU kernels for the steps of a decode that torch runs as many small ops (model/cpu_kernels.py
+   builds and loads this file).
+
+   Decode attention reads carpool's paged KV cache in place. The SDPA path first gathers each decode's blocks into a padded copy (two index_selects per
+   layer) and then runs a kernel whose fixed cost, at one decode, is most of the call. Here each
+   (sequence, KV head) task walks its block table directly: one pass over K for the scores of
+   the query heads sharing that KV head, a softmax, one pass over V. Accumulation is fp32, as in
+   torch's CPU SDPA. Built with OpenMP against torch's own libgomp, so it shares torch's threads. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A row of the cache as fp32: bf16 is widened into `buf`, fp32 is read in place. */
+static inline const float *as_float(const char *src, int is_bf16, int64_t n, float *buf) {
+    if (!is_bf16) return (const float *)src;
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(((const uint16_t *)src)[i]);
+    return buf;
+}
+
+static inline void store_row(char *dst, int is_bf16, int64_t n, const float *src) {
+    if (!is_bf16) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
+}
+
+/* Sixteen partial sums, so the FMAs form independent chains instead of one long one. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[16] = {0}, sum = 0.f;
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int i = 0; i < 16; i++) part[i] += a[d + i] * b[d + i];
+    for (; d < n; d++) sum += a[d] * b[d];
+    for (int i = 0; i < 16; i++) sum += part[i];
+    return sum;
+}
+
+/* Ask for a block's rows of one KV head ahead of their use: a head's rows are strided through
+   the block (the other heads sit between them) and the blocks are scattered over the cache, so
+   the hardware prefetcher alone leaves the loads waiting on memory. */
+static inline void prefetch_rows(const char *first, int64_t rows, int64_t stride, int64_t row_bytes) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(first + r * stride + b);
+}
+
+/* One (sequence, KV head): the `group` query heads that share the KV head. Blocks are walked
+   block by block, so finding a token's slot needs no division. Always inlined, so the calls below
+   with a constant head_dim and dtype get loops the compiler unrolls and vectorises for them. */
+static inline __attribute__((always_inline)) void attend_kv_head(
+        const char *q, char *out, const char *k_head, const char *v_head, const int64_t *table, int64_t len,
+        int64_t group, int64_t slot_bytes, int64_t block_size, float scale, const int is_bf16, const int64_t dim) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    float *scores = malloc(sizeof(float) * (size_t)(group * len + (2 * group + 1) * dim));
+    float *qf = scores + group * len, *acc = qf + group * dim, *buf = acc + group * dim;
+    prefetch_rows(k_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
+    for (int64_t g = 0; g < group; g++)
+        memcpy(qf + g * dim, as_float(q + g * dim * elem, is_bf16, dim, buf), sizeof(float) * (size_t)dim);
+    for (int64_t first = 0; first < len; first += block_size) {
+        const char *rows = k_head + table[first / block_size] * block_size * slot_bytes;
+        const int64_t n = len - first < block_size ? len - first : block_size;
+        if (first + block_size < len) prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes,
+                                                    block_size, slot_bytes, dim * elem);
+        for (int64_t o = 0; o < n; o++) {
+            const float *k = as_float(rows + o * slot_bytes, is_bf16, dim, buf);
+            for (int64_t g = 0; g < group; g++) scores[g * len + first + o] = dot(qf + g * dim, k, dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len, top = sg[0], sum = 0.f;  /* len >= 1 */
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = expf(sg[t] - top);
+            sum += sg[t];
+        }
+        for (int64_t t = 0; t < len; t++) sg[t] /= sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+    prefetch_rows(v_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
+    for (int64_t first = 0; first < len; first += block_size) {
+        const char *rows = v_head + table[first / block_size] * block_size * slot_bytes;
+        const int64_t n = len - first < block_size ? len - first : block_size;
+        if (first + block_size < len) prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes,
+                                                    block_size, slot_bytes, dim * elem);
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = as_float(rows + o * slot_bytes, is_bf16, dim, buf);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + first + o];
+                float *ag = acc + g * dim;
+                for (int64_t d = 0; d < dim; d++) ag[d] += p * v[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) store_row(out + g * dim * elem, is_bf16, dim, acc + g * dim);
+    free(scores);
+}
+
+/* q: [seqs, heads, head_dim] rows `q_stride` elements apart; out likewise with `out_stride`.
+   k_cache, v_cache: [slots, kv_heads, head_dim], slot = block * block_size + offset.
+   block_tables: [seqs, table_width]; context_lens: [seqs], the new token included. */
+void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                            const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, int is_bf16, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
+    const int64_t slot_bytes = num_kv_heads * row_bytes;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const char *qs = (const char *)q + (s * q_stride + h * group * head_dim) * elem;
+            char *os = (char *)out + (s * out_stride + h * group * head_dim) * elem;
+            const char *k_head = (const char *)k_cache + h * row_bytes, *v_head = (const char *)v_cache + h * row_bytes;
+            const int64_t *table = block_tables + s * table_width;
+#define ATTEND(bf16, dim) attend_kv_head(qs, os, k_head, v_head, table, context_lens[s], group, slot_bytes, \
+                                         block_size, scale, bf16, dim)
+            if (is_bf16 && head_dim == 64) ATTEND(1, 64);
+            else if (is_bf16 && head_dim == 128) ATTEND(1, 128);
+            else if (!is_bf16 && head_dim == 64) ATTEND(0, 64);
+            else if (!is_bf16 && head_dim == 128) ATTEND(0, 128);
+            else ATTEND(is_bf16, head_dim);
+#undef ATTEND
+        }
+    }
+}
+
+/* The small element-wise steps of a decoder layer, bf16 only (fp32 keeps torch's ops: the
+   reference arithmetic). At a few tokens each is dominated by the fixed cost of launching it
+   (~20 us for torch's RMSNorm over 576 values, ~50 us for RoPE's six ops); here each is one
+   pass, computed in fp32 and rounded once. Rows are split over threads from 16 rows up. */
+
+/* out = RMSNorm(x) * weight over rows of `dim`. With `delta`, first x_out = x + delta (rounded
+   to bf16, as torch's add) and the norm is taken of x_out: the residual add fused in. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, uint16_t *out,
+                   const uint16_t *weight, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        float *buf = malloc(sizeof(float) * (size_t)dim);
+        const uint16_t *xr = x + r * dim;
+        float sum = 0.f;
+        for (int64_t d = 0; d < dim; d++) {
+            float v = bf16_to_float(xr[d]);
+            if (delta) {
+                const uint16_t rounded = float_to_bf16(v + bf16_to_float(delta[r * dim + d]));
+                x_out[r * dim + d] = rounded;
+                v = bf16_to_float(rounded);
+            }
+            buf[d] = v;
+            sum += v * v;
+        }
+        const float inv = 1.f / sqrtf(sum / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = float_to_bf16(buf[d] * inv * bf16_to_float(weight[d]));
+        free(buf);
+    }
+}
+
+/* RoPE (the rotate-half form) in place on `heads` heads of each of `rows` tokens; token r's
+   heads start at qk + r * row_stride; cos/sin: [rows, dim]. */
+static inline void rotate_half(const float *restrict x, float *restrict y, const float *restrict c,
+                               const float *restrict s, int64_t half) {
+    for (int64_t d = 0; d < half; d++) {
+        y[d] = x[d] * c[d] - x[d + half] * s[d];
+        y[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+    }
+}
+
+void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
+               const uint16_t *cos, const uint16_t *sin) {
+#pragma omp parallel for if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        float c[dim], s[dim], x[dim], y[dim];
+        for (int64_t d = 0; d < dim; d++) {
+            c[d] = bf16_to_float(cos[r * dim + d]);
+            s[d] = bf16_to_float(sin[r * dim + d]);
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *head = qk + r * row_stride + h * dim;
+            for (int64_t d = 0; d < dim; d++) x[d] = bf16_to_float(head[d]);
+            rotate_half(x, y, c, s, dim / 2);
+            for (int64_t d = 0; d < dim; d++) head[d] = float_to_bf16(y[d]);
+        }
+    }
+}
+
+/* out[r] = silu(gate) * up, where row r of gate_up is [gate | up], each `inter` wide. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t d = 0; d < inter; d++) {
+            const float a = bf16_to_float(g[d]);
+            out[r * inter + d] = float_to_bf16(a / (1.f + expf(-a)) * bf16_to_float(u[d]));
+        }
+    }
+}

@@ -1,0 +1,148 @@
+"""The C kernels (model/csrc/cpu_kernels.c) against torch's ops and a naive fp64 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.bench.synthetic import SyntheticBatches
+from carpool.engine import LLMEngine
+from carpool.model import cpu_kernels
+from carpool.model.llama import apply_rope
+from tests.conftest import PROMPTS
+from tests.helpers import run_greedy
+from tests.model.test_attention import naive
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this machine")
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=5), block=st.sampled_from([1, 5, 16]),
+       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]), dim=st.sampled_from([8, 40, 64, 128]),
+       bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, group, dim, bf16, seed):
+    """Each decode over its own blocks, scattered over the cache in random order, with strided
+    query rows (a view of a fused QKV output, as in the model)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    used = [-(-n // block) for n in lens]
+    num_blocks = sum(used) + 2
+    cache = torch.randn(2, num_blocks * block, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(used)
+    tables = [perm[sum(used[:i]):sum(used[:i + 1])] for i in range(len(lens))]
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # padding is never read
+    heads = kv_heads * group
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, :heads * dim].view(-1, heads, dim)
+    got = cpu_kernels.paged_decode_attention(q, cache, padded, torch.tensor(lens), 0.3, block)
+    for row, (table, n) in enumerate(zip(tables, lens)):
+        slots = (torch.tensor(table)[:, None] * block + torch.arange(block)).reshape(-1)
+        want = naive(q[row:row + 1].float(), cache[0, slots].float(), cache[1, slots].float(), n - 1, 0.3)
+        tol = 2e-2 if bf16 else 1e-5
+        torch.testing.assert_close(got[row:row + 1].float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_matches_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, delta = (torch.randn(rows, 576, generator=gen).bfloat16() for _ in range(2))
+    w = torch.randn(576, generator=gen).bfloat16()
+    want = F.rms_norm(x, w.shape, w, 1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), want, rtol=1e-2, atol=1e-2)
+    summed, normed = cpu_kernels.rms_norm(x, w, 1e-5, delta)
+    assert torch.equal(summed, x + delta)  # the fused add rounds as torch's bf16 add
+    torch.testing.assert_close(normed, F.rms_norm(x + delta, w.shape, w, 1e-5), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_rope_in_place_matches_apply_rope(rows):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 15 * 64, generator=gen).bfloat16()
+    qk = qkv[:, :12 * 64].view(-1, 12, 64)  # strided rows: v follows each token's q and k
+    angles = torch.randn(rows, 1, 32, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    want = apply_rope(qk, cos, sin)
+    v_before = qkv[:, 12 * 64:].clone()
+    got = cpu_kernels.rope_(qk, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)  # torch rounds 3 times, C once
+    assert torch.equal(qkv[:, 12 * 64:], v_before)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_silu_mul_matches_torch(rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+def test_only_eager_bf16_on_cpu_fuses():
+    assert cpu_kernels.fuses(torch.zeros(2, dtype=torch.bfloat16))
+    assert not cpu_kernels.fuses(torch.zeros(2))  # fp32: torch's ops, the reference arithmetic
+
+
+def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARPOOL_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernels.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    source = tmp_path / "other.c"
+    source.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
+    assert cpu_kernels.build(source) != first
+
+
+def test_without_a_compiler_torch_ops_run(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CARPOOL_KERNEL_CACHE", str(tmp_path))  # nothing cached here
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        assert "CPU kernels unavailable" in caplog.text
+        assert not cpu_kernels.fuses(torch.zeros(2, dtype=torch.bfloat16))
+        assert not cpu_kernels.has_decode_kernel(torch.device("cpu"), torch.bfloat16)
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
+def decode_top1(engine, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+    """Teacher-forced argmax at each continuation position, every sequence a decode in one
+    batch per step (so the paged decode kernel runs over several contexts): [seqs, steps]."""
+    syn = SyntheticBatches(engine)
+    reqs = []
+    for seq, p in zip(seqs, prompt_lens):
+        reqs.append(syn.new(seq[:p + 1]))
+        reqs[-1].num_prompt_tokens = p  # so seq[p] plays the first sampled token
+    try:
+        syn.run([(r, p) for r, p in zip(reqs, prompt_lens)])
+        top1 = []
+        for step in range(min(len(s) - p for s, p in zip(seqs, prompt_lens)) - 1):
+            top1.append(syn.run([(r, 1) for r in reqs], all_logits=True).argmax(-1))
+            for r, seq, p in zip(reqs, seqs, prompt_lens):
+                r.token_ids.append(seq[p + 1 + step])
+        return torch.stack(top1, dim=1)
+    finally:
+        syn.close()
+
+
+def test_bf16_with_kernels_agrees_with_fp32(model_path, engine_fp32, monkeypatch):
+    """Greedy continuations of the test prompts decoded teacher-forced in bf16, with the kernels
+    and with torch's ops: each agrees with fp32 as bf16 does (measured: 0.96-0.98)."""
+    prompts = [engine_fp32.tokenizer.encode(p) for p in PROMPTS]
+    seqs = [p + c for p, c in zip(prompts, run_greedy(engine_fp32, prompts, 24))]
+    lens = [len(p) for p in prompts]
+    want = decode_top1(engine_fp32, seqs, lens)
+    engine = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=32 << 20)
+    assert engine.runner.decode_kernel
+    with_kernels = decode_top1(engine, seqs, lens)
+    monkeypatch.setattr(cpu_kernels, "fuses", lambda x: False)
+    engine.runner.decode_kernel = False
+    with_torch = decode_top1(engine, seqs, lens)
+    agreement = [(got == want).float().mean().item() for got in (with_kernels, with_torch)]
+    print(f"top-1 agreement with fp32: kernels {agreement[0]:.3f}, torch ops {agreement[1]:.3f}")
+    assert min(agreement) >= 0.93
+    assert (with_kernels == with_torch).float().mean() >= 0.93
