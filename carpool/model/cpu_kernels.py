@@ -72,12 +72,14 @@ def build(source: Path = SOURCE) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def library() -> ctypes.PyDLL | None:
     """The compiled kernels, or None (logged once) when they cannot be built here."""
     if os.environ.get("CARPOOL_NO_KERNELS") == "1":
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        # PyDLL, not CDLL: calls keep the GIL. They last microseconds, and a thread that gives
+        # up the GIL 120 times a step waits to get it back whenever the HTTP thread holds it.
+        lib = ctypes.PyDLL(str(build()))
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
         return None
