@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(h)
     h.set_defaults(func=cmd_bench_hybrid)
 
-    a = bench.add_parser("attention", help="the engine's SDPA attention vs the grouped batched matmuls it "
+    a = bench.add_parser("attention", help="the engine's attention (SDPA, C decode kernel) vs the grouped batched matmuls it "
                                            "replaced, per layer call")
     a.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     a.add_argument("--decodes", default="1x512,1x2048,16x512,32x1024", help="BATCHxCONTEXT,...")

@@ -1,4 +1,4 @@
-"""`carpool bench attention`: the engine's SDPA attention against grouped batched matmuls.
+"""`carpool bench attention`: the engine's attention against what it replaced.
 
 Until torch 2.13 carpool attended over gathered contexts with two batched matmuls per call, the
 query heads grouped per KV head (and a chunk over a cached prefix in tiles of 32 query rows),
@@ -6,6 +6,9 @@ because that beat CPU SDPA. `grouped_decode` and `grouped_chunk` below are that 
 the baseline; the engine's `decode_attention` and `chunk_attention` (model/attention.py) are
 one SDPA call each. Shapes are the embedded model's (9 query heads, 3 KV heads, head dim 64);
 the two are interleaved and the median of `repeats` kept, so the ratio holds on a busy host.
+Decodes also time the C kernel that reads the blocks in place (model/cpu_kernels.py), which the
+engine runs instead of SDPA over gathered blocks where it is built: `kernel_speedup` is SDPA's
+time over the kernel's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from carpool.model import cpu_kernels
 from carpool.model.attention import chunk_attention, decode_attention, gather_blocks
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -73,8 +77,14 @@ def run_attention_bench(dtype: torch.dtype, decodes: list[tuple[int, int]], chun
             mask = torch.ones(batch, 1, 1, width * BLOCK, dtype=torch.bool)
             q = torch.randn(batch, HEADS, DIM, generator=gen).to(dtype)
             args = (q, cache, tables, mask, DIM ** -0.5, BLOCK)
-            sdpa, base = interleaved_medians([partial(decode_attention, *args), partial(grouped_decode, *args)], repeats)
+            fns = [partial(decode_attention, *args), partial(grouped_decode, *args)]
+            if cpu_kernels.has_decode_kernel(q.device, dtype):
+                lens = torch.full((batch,), ctx)
+                fns.append(partial(cpu_kernels.paged_decode_attention, q, cache, tables, lens, DIM ** -0.5, BLOCK))
+            sdpa, base, *kernel = interleaved_medians(fns, repeats)
             rows.append({"kind": "decode", "batch": batch, "context": ctx, "sdpa_s": sdpa, "grouped_s": base})
+            if kernel:
+                rows[-1].update(kernel_s=kernel[0], kernel_speedup=sdpa / kernel[0])
         for n, cached in chunks:
             ctx = cached + n
             k, v = (torch.randn(ctx, KV_HEADS, DIM, generator=gen).to(dtype) for _ in range(2))
@@ -88,8 +98,9 @@ def run_attention_bench(dtype: torch.dtype, decodes: list[tuple[int, int]], chun
         shape = f"batch {r['batch']} x {r['context']} tokens" if r["kind"] == "decode" else \
             f"{r['chunk']}-token chunk over {r['cached']} cached"
         r["shape"] = f"{r['kind']}: {shape}"
+        kernel = f"  C kernel {r['kernel_s'] * 1e3:7.2f} ms ({r['kernel_speedup']:.2f}x SDPA)" if "kernel_s" in r else ""
         print(f"{r['shape']:<40} SDPA {r['sdpa_s'] * 1e3:7.2f} ms  grouped {r['grouped_s'] * 1e3:7.2f} ms  "
-              f"{r['speedup']:.2f}x")
+              f"{r['speedup']:.2f}x{kernel}")
     return rows
 
 
@@ -101,10 +112,15 @@ def write_outputs(rows: list[dict], dtype: torch.dtype, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
-    ax.barh([r["shape"] for r in rows], [r["speedup"] for r in rows])
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ys = range(len(rows))
+    ax.barh([y + 0.2 for y in ys], [r["speedup"] for r in rows], height=0.4, label="grouped matmuls / SDPA")
+    ax.barh([y - 0.2 for y in ys], [r.get("kernel_speedup", 0) for r in rows], height=0.4,
+            label="SDPA / C kernel (decodes)")
+    ax.set_yticks(list(ys), [r["shape"] for r in rows])
     ax.axvline(1.0, color="grey", lw=1)
-    ax.set_xlabel("grouped matmuls time / SDPA time (per layer call)")
+    ax.legend()
+    ax.set_xlabel("speed-up (time ratio, per layer call)")
     ax.set_title(f"Attention per call, {dtype}")
     fig.tight_layout()
     fig.savefig(out / "attention.png", dpi=120)

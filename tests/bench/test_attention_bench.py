@@ -9,6 +9,7 @@ import torch
 
 from carpool.bench.attention import (BLOCK, DIM, HEADS, KV_HEADS, grouped_chunk, grouped_decode,
                                      run_attention_bench, write_outputs)
+from carpool.model import cpu_kernels
 from carpool.model.attention import chunk_attention, decode_attention
 
 
@@ -34,4 +35,6 @@ def test_bench_writes_json_and_plot(tmp_path):
     saved = json.loads((tmp_path / "attention.json").read_text())
     assert [r["kind"] for r in saved["rows"]] == ["decode", "chunk"]
     assert all(r["sdpa_s"] > 0 and r["grouped_s"] > 0 and r["speedup"] > 0 for r in saved["rows"])
+    if cpu_kernels.library() is not None:  # the decode row times the C kernel too
+        assert saved["rows"][0]["kernel_s"] > 0 and saved["rows"][0]["kernel_speedup"] > 0
     assert (tmp_path / "attention.png").stat().st_size > 0
