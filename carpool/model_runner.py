@@ -13,12 +13,7 @@ from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
-from carpool.model.compiled import (
-    can_compile,
-    compile_model,
-    uncompile_model,
-    warm_up_sizes,
-)
+from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 from carpool.model.quant import choose_kernels

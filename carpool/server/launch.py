@@ -27,7 +27,7 @@ log = logging.getLogger("carpool.server")
 
 def freeze_startup_objects() -> None:
     """Exempt what start-up built from the cyclic garbage collector, as vLLM does. The imports,
-    the model and torch.compile's graphs are millions of objects that live as long as the
+    the model and torch.compile's graphs are ~1 million objects that live as long as the
     process; every full collection walked them all: in a 16-request burst, full collections of
     100-470 ms (growing) stalled the engine loop, and one was the burst's largest inter-token gap."""
     gc.collect()
