@@ -7,15 +7,16 @@ with one more prefill chunk. The engine feeds it measured step times and the sim
 simulated ones, so the same class makes the same choices in both. It can be seeded with points
 from a profiled cost model (`seed`), and starts empty otherwise.
 
-Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a per-row cost
-(sampling, inputs), decode attention over each context (the CPU kernel pads every row to the
-longest, hence both the sum and `decodes x longest`), and chunk attention over each chunk's
-query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
+Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a cost per
+decode row (sampling, inputs) and a larger one per prefill chunk (each chunk is its own attention
+call per layer, with its block table, mask and gathered prefix), decode attention over each
+context (SDPA over gathered blocks pads every row to the longest, hence both the sum and
+`decodes x longest`), and chunk attention over each chunk's query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
 hinges in the token count (`max(0, tokens - k)`) let a fit with non-negative weights bend there.
 Non-negative weights also keep the prediction monotone in a chunk's length, which the policy's
 search relies on.
 
-Pure Python on purpose: the scheduler imports it, and the fit is a 9 x 9 solve.
+Pure Python on purpose: the scheduler imports it, and the fit is a 10 x 10 solve.
 """
 
 from __future__ import annotations
@@ -61,17 +62,17 @@ class BatchShape:
 
 # Token counts where the per-token cost may bend (GPU tiles/waves); see the module docstring.
 HINGES = (64, 256, 1024)
-FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "rows", "decode_context_sum",
-            "decode_context_padded", "chunk_attention")
+FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
+            "decode_context_sum", "decode_context_padded", "chunk_attention")
 # Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
-_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-5, 1e-5, 1e-6)
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6)
 
 
 def features(shape: BatchShape) -> list[float]:
     t = shape.num_tokens
     d = shape.decode_contexts
     attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
-    raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(shape.prefills) + len(d), sum(d),
+    raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
            len(d) * max(d, default=0), attn)
     return [x * s for x, s in zip(raw, _SCALE)]
 
