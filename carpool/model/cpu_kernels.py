@@ -37,13 +37,18 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def _cpu_model() -> str:
+    """The CPU's name and instruction-set flags (names alone can be generic: "Intel(R) Xeon(R)
+    Processor" covers generations with and without AVX-512 FP16 or AMX)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    first = {}
+    for line in lines:
+        key = line.split(":")[0].strip()
+        if key in ("model name", "flags"):
+            first.setdefault(key, line)
+    return "\n".join(first.values()) or platform.processor()
 
 
 def _cache_dir() -> Path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,14 @@ def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
     source = tmp_path / "other.c"
     source.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
     assert cpu_kernels.build(source) != first
+
+
+def test_the_cache_key_names_the_cpu_and_its_flags():
+    info = Path("/proc/cpuinfo")
+    if not info.exists() or "flags" not in info.read_text():
+        pytest.skip("no x86 /proc/cpuinfo here")
+    key = cpu_kernels._cpu_model()
+    assert "flags" in key and "model name" in key  # a generic model name alone is not enough
 
 
 def test_without_a_compiler_torch_ops_run(tmp_path, monkeypatch, caplog):
