@@ -134,10 +134,14 @@ def fuses(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's rows; with `delta`, (x + delta, RMSNorm(x + delta)): the residual add fused."""
-    x = x.contiguous()
+    x = x.contiguous()  # held in locals: a pointer into a temporary would dangle
+    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
     out = torch.empty_like(x)
+    if delta is not None:
+        delta = delta.contiguous()
+        assert delta.shape == x.shape and delta.dtype == x.dtype
     x_out = None if delta is None else torch.empty_like(x)
-    library().rms_norm_bf16(x.data_ptr(), None if delta is None else delta.contiguous().data_ptr(),
+    library().rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(),
                             None if x_out is None else x_out.data_ptr(), out.data_ptr(), weight.data_ptr(),
                             x.numel() // x.shape[-1], x.shape[-1], eps)
     return out if delta is None else (x_out, out)
@@ -147,6 +151,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """RoPE in place on qk [T, heads, D] (rows may be strided, heads dense); cos, sin: [T, 1, D]."""
     rows, heads, dim = qk.shape
     assert qk.stride(2) == 1 and qk.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
+    assert qk.dtype == cos.dtype == sin.dtype == torch.bfloat16
     library().rope_bf16(qk.data_ptr(), rows, qk.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr())
     return qk
 
