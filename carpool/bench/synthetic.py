@@ -59,7 +59,9 @@ class SyntheticBatches:
         runner = self.engine.runner
         if all_logits:
             with torch.inference_mode():
-                ids, pos, meta, _ = runner.prepare(batch)
+                plan = runner.plan(batch)
+                runner.clear_fresh_tails(plan)  # as `execute` does: SDPA reads whole blocks
+                ids, pos, meta = runner.tensors(plan)
                 logits = runner.model.compute_logits(runner.model(ids, pos, runner.kv_cache, meta))
         else:
             logits = runner.execute(batch)

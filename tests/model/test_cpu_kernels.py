@@ -122,6 +122,8 @@ def test_without_a_compiler_torch_ops_run(tmp_path, monkeypatch, caplog):
 def decode_top1(engine, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
     """Teacher-forced argmax at each continuation position, every sequence a decode in one
     batch per step (so the paged decode kernel runs over several contexts): [seqs, steps]."""
+    runner = engine.runner
+    runner.kv_cache[:, :, :runner.pad_block * runner.block_size] = float("nan")  # a slot read before written shows
     syn = SyntheticBatches(engine)
     reqs = []
     for seq, p in zip(seqs, prompt_lens):
