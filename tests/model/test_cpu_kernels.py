@@ -122,8 +122,6 @@ def test_without_a_compiler_torch_ops_run(tmp_path, monkeypatch, caplog):
 def decode_top1(engine, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
     """Teacher-forced argmax at each continuation position, every sequence a decode in one
     batch per step (so the paged decode kernel runs over several contexts): [seqs, steps]."""
-    runner = engine.runner
-    runner.kv_cache[:, :, :runner.pad_block * runner.block_size] = float("nan")  # a slot read before written shows
     syn = SyntheticBatches(engine)
     reqs = []
     for seq, p in zip(seqs, prompt_lens):
@@ -149,10 +147,14 @@ def test_bf16_with_kernels_agrees_with_fp32(model_path, engine_fp32, monkeypatch
     lens = [len(p) for p in prompts]
     want = decode_top1(engine_fp32, seqs, lens)
     engine = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=32 << 20)
-    assert engine.runner.decode_kernel
+    runner = engine.runner
+    unwritten = runner.kv_cache[:, :, :runner.pad_block * runner.block_size]
+    assert runner.decode_kernel
+    unwritten.fill_(float("nan"))  # so that a slot read before it is written shows
     with_kernels = decode_top1(engine, seqs, lens)
     monkeypatch.setattr(cpu_kernels, "fuses", lambda x: False)
-    engine.runner.decode_kernel = False
+    runner.decode_kernel = False
+    unwritten.fill_(float("nan"))
     with_torch = decode_top1(engine, seqs, lens)
     agreement = [(got == want).float().mean().item() for got in (with_kernels, with_torch)]
     print(f"top-1 agreement with fp32: kernels {agreement[0]:.3f}, torch ops {agreement[1]:.3f}")
