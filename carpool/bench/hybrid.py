@@ -55,8 +55,9 @@ def median_time(fn, repeats: int) -> float:
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads, as stored: a quantized linear's packed weights and
-    scales (its dense copy serves only large batches), a oneDNN-packed weight, every other
-    tensor once (tied ones once), but not the embedding table (one row per token)."""
+    scales (its dense copy serves only large batches; the C kernel's are attributes), a
+    oneDNN-packed weight, every other tensor once (tied ones once), but not the embedding table
+    (one row per token)."""
     skip = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear)}
     skip |= {id(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "embed_tokens"}
     seen: set[int] = set()
@@ -66,6 +67,8 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
             continue
         if isinstance(m, PackedLinear):  # the packed weight is an attribute, not a parameter
             total += m.packed.numel() * m.packed.element_size()
+        if isinstance(m, QuantizedLinear) and m.kernel is not None:
+            total += sum(t.numel() * t.element_size() for t in m.kernel.tensors if t is not None)
         for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

@@ -1,8 +1,9 @@
 """`carpool bench quant`: weight-only int8 / int4 kernels against oneDNN bf16 on this CPU.
 
 For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head) and token count,
-times torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` against bf16 `F.linear` and
-the oneDNN-packed `PackedLinear` the engine uses. Each shape has one weight per layer, called in
+times carpool's C kernels (AVX-512 VNNI, csrc/quant_gemv.c) and torch's `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` against bf16 `F.linear` and the oneDNN-packed `PackedLinear` the
+engine uses. Each shape has one weight per layer, called in
 turn, so weights come from memory as in a forward pass rather than from a hot cache; kernels are
 interleaved and the best of a few rounds is kept, so ratios hold on a busy host. Then one greedy
 stream decodes per `--quantization` mode through the whole engine (the engines take turns, best
@@ -24,7 +25,8 @@ from carpool.config import EngineConfig, ModelConfig
 from carpool.model.llama import PackedLinear, can_pack_linears
 from carpool.model.quant import QuantizedLinear
 
-KERNELS = ("bf16 F.linear", "bf16 packed", "int8", "int4")
+KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C")
+QUANTIZED = KERNELS[2:]
 
 
 def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -44,7 +46,10 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
         linear = nn.Linear(in_features, out_features, bias=False)
         linear.weight.data = torch.randn(out_features, in_features, generator=generator) * 0.02
         for mode in ("int8", "int4"):
-            kernels[mode].append(QuantizedLinear(linear, mode, dtype).to(dtype).quantized)
+            kernels[f"{mode} torch"].append(QuantizedLinear(linear, mode, dtype, c_kernel=False).to(dtype).quantized)
+            with_c = QuantizedLinear(linear, mode, dtype).to(dtype)
+            if with_c.kernel is not None:
+                kernels[f"{mode} C"].append(with_c.quantized)
         dense = linear.to(dtype).requires_grad_(False)
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):
@@ -158,12 +163,12 @@ def write_outputs(result: dict, out: Path) -> None:
     lines = [f"CPU {result['cpu']}, {result['threads']} threads, {result['dtype']}; other processes used "
              f"{result['other_cpu_cores']:.2f} cores on average during the run ({result['seconds']:.0f} s).", "",
              "| shape | in x out | tokens | " + " | ".join(f"{k} us" for k in kernels)
-             + f" | int8 / int4 speed-up vs {ref} |",
+             + f" | speed-up vs {ref}: " + " / ".join(k for k in kernels if k in QUANTIZED) + " |",
              "|---|---|---|" + "---|" * len(kernels) + "---|"]
     for r in result["kernels"]:
         lines.append(f"| {r['shape']} | {r['in']}x{r['out']} | {r['tokens']} | "
-                     + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels)
-                     + f" | {r[f'{ref}_s'] / r['int8_s']:.2f}x / {r[f'{ref}_s'] / r['int4_s']:.2f}x |")
+                     + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels) + " | "
+                     + " / ".join(f"{r[f'{ref}_s'] / r[f'{k}_s']:.2f}x" for k in kernels if k in QUANTIZED) + " |")
     if result["single_stream"]:
         lines += ["", "| --quantization | decode tokens/s | quantized kernel up to N tokens (layer 0, LM head) |",
                   "|---|---|---|"]

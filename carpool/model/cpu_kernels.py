@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger("carpool")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
 # -ffast-math lets gcc vectorise expf and reassociate the dot products. It is given when
 # compiling only: linked with it, gcc would add crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch included).
@@ -55,20 +55,22 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CARPOOL_KERNEL_CACHE", Path.home() / ".cache" / "carpool" / "kernels"))
 
 
-def build(source: Path = SOURCE) -> Path:
-    """Compile `source` into a shared library (or reuse the cached one); returns its path."""
+def build(sources: tuple[Path, ...] = SOURCES) -> Path:
+    """Compile `sources` into one shared library (or reuse the cached one); returns its path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    key = hashlib.sha256("\0".join([source.read_text(), cc, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_model()])
-                         .encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), cc, *COMPILE_FLAGS, *LINK_FLAGS,
+                                     _cpu_model()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(lib)]):
+        objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
+        lib = Path(tmp) / "kernels.so"
+        commands = [[cc, *COMPILE_FLAGS, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects)]
+        for cmd in [*commands, [cc, *map(str, objects), *LINK_FLAGS, "-o", str(lib)]]:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -94,10 +96,14 @@ def library() -> ctypes.PyDLL | None:
         "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
         "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
+        "int4_matmul": [_ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "int8_matmul": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "quant_gemv_supported": [],
     }
+    returns = {"int4_matmul": ctypes.c_int, "int8_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, argtypes
+        fn.restype, fn.argtypes = returns.get(name), argtypes
     return lib
 
 
@@ -164,3 +170,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
 
+
+
+def has_quantized_matmul() -> bool:
+    """Whether the int4/int8 VNNI products run here (AVX-512 VNNI, the library built)."""
+    lib = library()
+    return lib is not None and bool(lib.quant_gemv_supported())
+
+
+class QuantizedMatmul:
+    """x @ W.T for a weight packed for the C kernels (int4 with `zero`, else int8; layouts:
+    csrc/quant_gemv.c, written by quant.pack_int4 / pack_int8). The weight's pointers are bound
+    once: a decode step makes ~120 of these calls, and each microsecond of Python is 0.1 ms."""
+
+    def __init__(self, n: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None):
+        assert codes.dtype == torch.uint8 and codes.is_contiguous() and scale.is_contiguous()
+        self.n, self.tensors = n, (codes, scale, zero)  # the tensors keep the bound pointers valid
+        if zero is None:
+            assert scale.dtype == torch.float32
+            self._matmul = functools.partial(library().int8_matmul, codes.data_ptr(), scale.data_ptr())
+        else:
+            assert scale.dtype == zero.dtype in SUPPORTED_DTYPES and zero.is_contiguous()
+            self._matmul = functools.partial(library().int4_matmul, codes.data_ptr(), scale.data_ptr(),
+                                             zero.data_ptr(), scale.dtype == torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, k], fp32 or bf16."""
+        x = x.contiguous()
+        assert x.dtype is torch.bfloat16 or x.dtype is torch.float32
+        out = x.new_empty((x.shape[0], self.n))
+        if not self._matmul(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.n, x.dtype is torch.bfloat16,
+                            torch.get_num_threads()):
+            raise MemoryError("quantized matmul: no memory for the quantized activations")
+        return out

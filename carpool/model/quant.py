@@ -1,12 +1,14 @@
 """Weight-only quantized linear layers on CPU (`--quantization int8|int4`).
 
-int8: one scale per output channel (symmetric), run by torch's `_weight_int8pack_mm`.
-int4: a scale and a zero per group of 32 input channels (asymmetric), run by
-`_weight_int4pack_mm_for_cpu`. That is GGUF Q4_1's layout: requantizing a Q4_1 checkpoint's
-weights gives back its 4-bit codes, so int4 runs such a checkpoint without widening it.
-Weights are quantized from the fp32 values the loader produced, after tensor-parallel sharding.
+int8: one scale per output channel (symmetric). int4: a scale and a zero per group of 32 input
+channels (asymmetric). That is GGUF Q4_1's layout: requantizing a Q4_1 checkpoint's weights
+gives back its 4-bit codes, so int4 runs such a checkpoint without widening it. Weights are
+quantized from the fp32 values the loader produced, after tensor-parallel sharding.
 
-Both kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows: their time
+Where the CPU has AVX-512 VNNI, carpool's C kernels run them (csrc/quant_gemv.c: activations
+quantized to int8 per group of 32, integer dot products; 2-3x faster than torch's kernels at
+one token, BENCHMARKS.md), else torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`.
+The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows: their time
 grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to ~16 rows
 (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized weights
 for small token counts (decode) and a bf16 copy *of the dequantized weights* for larger ones
@@ -26,11 +28,14 @@ import time
 import torch
 from torch import nn
 
+from carpool.model import cpu_kernels
+
 log = logging.getLogger("carpool")
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # divides every K of the default model, also per TP shard (576 / 2 = 288)
 DEFAULT_MAX_QUANTIZED_TOKENS = 4  # until choose_kernels measures it (this crossover on AMX)
+KERNEL_ROWS = 16  # output rows per block of the C kernels' weight layout
 _TINY = 1e-30  # scale of an all-equal row/group: its codes are arbitrary, the zero carries it
 
 
@@ -60,29 +65,74 @@ def dequantize_int4(q: torch.Tensor, scale_zeros: torch.Tensor, group_size: int 
     return ((q.reshape(n, k // group_size, group_size) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
 
 
+def _row_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 16), 16, ...], zero rows padding the last block."""
+    pad = -t.shape[0] % KERNEL_ROWS
+    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+    return t.reshape(-1, KERNEL_ROWS, *t.shape[1:])
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scale_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (0..15), scale and zero [N, K / 32] -> the C kernel's blocks of 16 rows
+    (csrc/quant_gemv.c): codes [N / 16, K / 32, 4, 16, 4] bytes, channels 16.. in the high
+    nibbles; scale and zero [N / 16, K / 32, 16]."""
+    blocks = _row_blocks(q.to(torch.uint8))  # [B, 16 rows, K]
+    b, _, k = blocks.shape
+    quads = blocks.reshape(b, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [B, G, half, quad, row, 4]
+    codes = (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
+    per_group = lambda t: _row_blocks(t).transpose(1, 2).to(scale_dtype).contiguous()
+    return codes, per_group(scale), per_group(zero)
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] int8, scales [N] -> codes + 128 as [N / 16, K / 4, 16, 4] bytes, scales
+    padded to whole blocks (fp32)."""
+    blocks = _row_blocks((q.to(torch.int16) + 128).to(torch.uint8))
+    b, _, k = blocks.shape
+    codes = blocks.reshape(b, 16, k // 4, 4).transpose(1, 2).contiguous()
+    return codes, _row_blocks(scales.float()[:, None]).reshape(-1)
+
+
 class QuantizedLinear(nn.Module):
     """A bias-optional linear layer with weight-only quantized weights (see the module doc)."""
 
-    def __init__(self, linear: nn.Linear, mode: str, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE):
+    def __init__(self, linear: nn.Linear, mode: str, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE,
+                 c_kernel: bool = True):
+        """c_kernel: run carpool's C kernel where it can (False: torch's, as `bench quant` times)."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
         self.mode, self.in_features, self.out_features = mode, k, n
+        self.dtype = dtype  # the activations' (the model's: load_model casts it to this dtype)
         self.max_quantized_tokens = DEFAULT_MAX_QUANTIZED_TOKENS
+        # The C kernels' packed weights where they run (a plain attribute: the model's .to(dtype)
+        # must not cast their scales), else torch's kernels' buffers.
+        self.kernel: cpu_kernels.QuantizedMatmul | None = None
+        use_kernel = (c_kernel and cpu_kernels.has_quantized_matmul() and dtype in cpu_kernels.SUPPORTED_DTYPES
+                      and k % 32 == 0)
         if mode == "int8":
             q, scales = quantize_int8(w, dtype)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales)  # cast to the model dtype with the model
+            if use_kernel:
+                self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int8(q, scales))
+            else:
+                self.register_buffer("qweight", q)
+                self.register_buffer("scales", scales)  # cast to the model dtype with the model
             dense = q.float() * scales[:, None]
         elif mode == "int4":
             if k % group_size:
                 raise ValueError(f"int4 quantization needs input sizes divisible by {group_size}; "
                                  f"a {n}x{k} weight has {k}")
             self.group_size = group_size
-            pad = -n % 16  # the int4 packing wants N divisible by 16: zero rows, sliced off
+            pad = -n % 16  # both kernels want N divisible by 16: zero rows, never output
             q, scale_zeros = quantize_int4(torch.nn.functional.pad(w, (0, 0, 0, pad)), dtype, group_size)
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            self.register_buffer("scale_zeros", scale_zeros)
+            if use_kernel:
+                scale, zero = scale_zeros.transpose(0, 1).unbind(-1)
+                packed = pack_int4(q, scale, zero, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+                self.kernel = cpu_kernels.QuantizedMatmul(n, *packed)
+            else:
+                self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+                self.register_buffer("scale_zeros", scale_zeros)
             dense = dequantize_int4(q, scale_zeros, group_size)[:n]
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
@@ -90,24 +140,23 @@ class QuantizedLinear(nn.Module):
         self.dense.weight = nn.Parameter(dense, requires_grad=False)
         self.dense.bias = linear.bias
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activations' dtype: the scales are cast with the model."""
-        return (self.scales if self.mode == "int8" else self.scale_zeros).dtype
-
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if self.mode == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self.kernel is not None:
+            y = self.kernel(x)
+        elif self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scale_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.group_size,
+                                                           self.scale_zeros)
             if y.shape[-1] != self.out_features:
                 y = y[:, :self.out_features]
         bias = self.dense.bias
         return y if bias is None else y + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_quantized_tokens:
+        # The C kernel is a ctypes call, which a compiled graph cannot hold: there the dense
+        # copy runs (compiled steps have COMPILE_MIN_TOKENS or more, past the usual crossover).
+        if x.shape[0] <= self.max_quantized_tokens and (self.kernel is None or not torch.compiler.is_compiling()):
             return self.quantized(x)
         return self.dense(x)  # a oneDNN PackedLinear once the runner has packed the model
 

@@ -94,8 +94,8 @@ def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
     source = tmp_path / "other.c"
-    source.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
-    assert cpu_kernels.build(source) != first
+    source.write_text(cpu_kernels.SOURCES[0].read_text() + "\n/* changed */\n")
+    assert cpu_kernels.build((source, *cpu_kernels.SOURCES[1:])) != first
 
 
 def test_the_cache_key_names_the_cpu_and_its_flags():

@@ -10,10 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from carpool.bench.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
+from carpool.model import cpu_kernels
 from carpool.model.loader import open_gguf, resolve_quantization
 from carpool.model.quant import (QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
                                  quantize_int8, quantize_linears)
@@ -31,22 +34,68 @@ def linear(n: int, k: int, bias: bool = False, seed: int = 0) -> nn.Linear:
     return layer.requires_grad_(False)
 
 
+def c_kernel_reference(q: QuantizedLinear, base: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the C kernels compute, in fp64: x rounded to int8 with a scale per group of 32 (in
+    fp32, as the kernel rounds it), times the quantized weights (exact: not the dense copy,
+    which the model dtype rounds); int4's group zeros meet the exact x."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # (127 / top is 127 * (1 / top))
+    codes = torch.round(groups * inv).clamp(-127, 127)
+    rounded = (codes.double() * (top / 127).double()).reshape(x.shape)
+    if q.mode == "int8":
+        q8, scales = quantize_int8(base.weight.float(), q.dtype)
+        return rounded @ (q8.double() * scales.double()[:, None]).T
+    q4, scale_zeros = quantize_int4(base.weight.float(), q.dtype)
+    zeros = scale_zeros[..., 1].T.double().repeat_interleave(32, dim=1)  # [N, K]
+    return rounded @ dequantize_int4(q4, scale_zeros).double().T + (x.double() - rounded) @ zeros.T
+
+
+@pytest.fixture(params=["C kernel", "torch kernel"])
+def kernel(request, monkeypatch) -> bool:
+    """Both quantized kernels: carpool's C one (where the CPU has AVX-512 VNNI) and torch's."""
+    if request.param == "torch kernel":
+        monkeypatch.setattr(cpu_kernels, "has_quantized_matmul", lambda: False)
+    elif not cpu_kernels.has_quantized_matmul():
+        pytest.skip("no AVX-512 VNNI (or no C compiler) here: torch's kernels run")
+    return request.param == "C kernel"
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, bias", [(96, False), (40, True)])  # 40: int4 pads N to 48
-def test_kernel_and_dense_copy_compute_the_dequantized_weights(mode, dtype, n, bias):
+def test_kernel_and_dense_copy_compute_the_dequantized_weights(kernel, mode, dtype, n, bias):
     base = linear(n, 64, bias)
     q = QuantizedLinear(base, mode, dtype).to(dtype)
+    assert (q.kernel is not None) == kernel
     w = q.dense.weight.float()
     assert (w - base.weight).abs().max() <= (0.03 if mode == "int4" else 0.003)  # a quantization step
     for tokens in (1, 3, 17):
         x = torch.randn(tokens, 64).to(dtype)
         ref = x.float() @ w.T + (base.bias if bias else 0)
         tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
-        torch.testing.assert_close(q.quantized(x).float(), ref, **tol)
+        ref_quantized = c_kernel_reference(q, base, x).float() + (base.bias if bias else 0) if kernel else ref
+        torch.testing.assert_close(q.quantized(x).float(), ref_quantized, **tol)
         torch.testing.assert_close(q.dense(x).float(), ref, **tol)
         q.max_quantized_tokens = 1  # forward: the quantized kernel up to 1 token, dense above
         assert torch.equal(q(x), (q.quantized if tokens == 1 else q.dense)(x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(mode=st.sampled_from(["int8", "int4"]), n=st.integers(1, 70), groups=st.integers(1, 9),
+       tokens=st.integers(1, 9), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_c_kernel_equals_its_arithmetic_at_any_shape(mode, n, groups, tokens, bf16, seed):
+    """Partial blocks of 16 rows, odd group counts, token tiles of 4 and their remainders."""
+    if not cpu_kernels.has_quantized_matmul():
+        pytest.skip("no AVX-512 VNNI (or no C compiler) here")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    base = linear(n, 32 * groups, seed=seed)
+    q = QuantizedLinear(base, mode, dtype).to(dtype)
+    x = torch.randn(tokens, 32 * groups, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[0, :32] = 0  # an all-zero group: scale 0
+    ref = c_kernel_reference(q, base, x)
+    ulp = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: the fp32 sum may round either way
+    torch.testing.assert_close(q.quantized(x).double(), ref.to(dtype).double(), rtol=ulp, atol=1e-5)
 
 
 def test_constant_and_zero_rows_survive():

@@ -1,0 +1,222 @@
+/* Weight-only quantized matrix products for a few tokens (decode steps), with AVX-512 VNNI
+   (model/quant.py packs the weights, model/cpu_kernels.py builds and loads this file).
+
+   At one token a linear layer reads each weight once for one multiply-add, so its time is the
+   time to stream the weights plus the work to unpack them. torch's int4 kernel widens every
+   4-bit code to a float before its FMA. Here, as in llama.cpp, the activations are quantized to
+   int8 once per call (a scale per group of 32 channels, like GGUF Q8_0), and `vpdpbusd`
+   multiplies unsigned weight bytes by signed activation bytes, summing each four into an int32
+   lane: 64 multiply-adds in one instruction. Each group's integer sums are scaled once, in fp32.
+
+   Weights are stored in blocks of 16 output rows: one zmm holds 4 consecutive input channels
+   of 16 rows, so a lane is a row and every product is against one broadcast activation quad.
+   Lanes never need summing across, and a group's 16 scales are one vector load.
+
+   int4: w = (code - 8) * scale + zero per row and group of 32 input channels (torch's int4
+   form). For each block and group, 256 bytes: zmm j (0..3) holds channels 4j..4j+3 of the 16
+   rows in its low nibbles and channels 16 + 4j.. in its high ones. The codes are multiplied as
+   unsigned 0..15 and the 8 taken back out exactly, in integers, from the activations' own sum
+   (sum((c - 8) x) = sum(c x) - 8 sum(x)): the rounding of x then meets weights centred on their
+   group, as accurate as symmetric weights. scale and zero: [blocks, groups, 16], bf16 or fp32.
+   int8: one fp32 scale per row; codes stored as code + 128 in the same block layout (64 bytes
+   per 4 channels), the 128 taken back out as 128 * sum(x), once per token.
+
+   Without AVX-512 VNNI `quant_gemv_supported` says 0 and quant.py keeps torch's kernels. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#include <immintrin.h>
+#endif
+
+int quant_gemv_supported(void) {
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_VNNI
+
+#define GROUP 32
+#define ROWS 16 /* output rows per block: one zmm lane each */
+#define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
+
+/* The activations of one call: x ~ q * scale per group of 32. */
+typedef struct {
+    int8_t *q;      /* [tokens, k] */
+    float *scale;   /* [tokens, groups] */
+    float *sum;     /* [tokens, groups]: the sum of x over the group (int4's zero term) */
+    int32_t *qsum;  /* [tokens, groups]: the sum of q over the group (the codes' offsets) */
+    int64_t groups;
+} Activations;
+
+static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
+    a->groups = k / GROUP;
+    const int64_t values = tokens * a->groups;
+    char *mem = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)values + (size_t)(tokens * k));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sum = a->scale + values;
+    a->qsum = (int32_t *)(a->sum + values);
+    a->q = (int8_t *)(a->qsum + values);
+    for (int64_t v = 0; v < values; v++) {
+        const int64_t i = v * GROUP;  /* tokens are rows of k = groups * GROUP */
+        const __m512 lo = load16(x, i, is_bf16), hi = load16(x, i + 16, is_bf16);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        _mm_storeu_si128((__m128i *)(a->q + i), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(a->q + i + 16), _mm512_cvtsepi32_epi8(qhi));
+        a->scale[v] = top / 127.f;
+        a->sum[v] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        a->qsum[v] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+    return 1;
+}
+
+/* 16 rows of token t's output; the rows past `live` (a last, partial block) are not written. */
+static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
+    const __mmask16 mask = live >= ROWS ? 0xffff : (__mmask16)((1u << live) - 1);
+    if (!is_bf16) {
+        _mm512_mask_storeu_ps((float *)out + i, mask, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);  /* round to nearest even, as torch does */
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* The integer dot products of 16 rows with one group of `tn` tokens (tn constant where inlined):
+   w[0..7] hold the group's 8 channel quads, start[t] the accumulator's first value. */
+static inline __attribute__((always_inline)) void group_dots(
+        const __m512i w[8], const int8_t *xq, int64_t k, const int tn, const __m512i start[TILE], __m512i dot[TILE]) {
+    for (int t = 0; t < tn; t++) {
+        int32_t quads[8];
+        memcpy(quads, xq + t * k, sizeof quads);
+        __m512i d0 = start[t], d1 = _mm512_setzero_si512();  /* two chains: half the latency */
+        for (int j = 0; j < 8; j += 2) {
+            d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(quads[j]));
+            d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(quads[j + 1]));
+        }
+        dot[t] = _mm512_add_epi32(d0, d1);
+    }
+}
+
+/* One block of 16 rows of an int4 weight against `tn` tokens from t0. */
+static inline __attribute__((always_inline)) void int4_block(
+        const uint8_t *codes, const void *scale, const void *zero, int scales_bf16, const Activations *a,
+        int64_t k, int64_t t0, const int tn, __m512 acc[TILE]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        const uint8_t *packed = codes + g * 256;
+        __m512i w[8], start[TILE], dot[TILE];
+        for (int j = 0; j < 4; j++) {
+            const __m512i p = _mm512_loadu_si512(packed + j * 64);
+            w[j] = _mm512_and_si512(p, nibble);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+        }
+        for (int t = 0; t < tn; t++) start[t] = _mm512_set1_epi32(-8 * a->qsum[(t0 + t) * a->groups + g]);
+        group_dots(w, a->q + t0 * k + g * GROUP, k, tn, start, dot);
+        const __m512 s = load16(scale, g * ROWS, scales_bf16), z = load16(zero, g * ROWS, scales_bf16);
+        for (int t = 0; t < tn; t++) {
+            const int64_t v = (t0 + t) * a->groups + g;
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(a->scale[v])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a->sum[v]), acc[t]);
+        }
+    }
+}
+
+/* One block of 16 rows of an int8 weight (codes + 128) against `tn` tokens from t0. */
+static inline __attribute__((always_inline)) void int8_block(
+        const uint8_t *codes, const float *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
+        __m512 acc[TILE]) {
+    __m512 offset[TILE];
+    for (int t = 0; t < tn; t++) acc[t] = offset[t] = _mm512_setzero_ps();
+    const __m512i zeros[TILE] = {0};
+    for (int64_t g = 0; g < a->groups; g++) {
+        __m512i w[8], dot[TILE];
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(codes + g * 512 + j * 64);
+        group_dots(w, a->q + t0 * k + g * GROUP, k, tn, zeros, dot);
+        for (int t = 0; t < tn; t++) {
+            const int64_t v = (t0 + t) * a->groups + g;
+            const __m512 dx = _mm512_set1_ps(a->scale[v]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), dx, acc[t]);
+            offset[t] = _mm512_fmadd_ps(_mm512_set1_ps(128.f * (float)a->qsum[v]), dx, offset[t]);
+        }
+    }
+    const __m512 s = _mm512_loadu_ps(scale);
+    for (int t = 0; t < tn; t++) acc[t] = _mm512_mul_ps(_mm512_sub_ps(acc[t], offset[t]), s);
+}
+
+#define FOR_EACH_TILE(BLOCK)                                                              \
+    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {                                       \
+        __m512 acc[TILE];                                                                 \
+        const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;                       \
+        if (tn == 4) BLOCK(4);                                                            \
+        else if (tn == 3) BLOCK(3);                                                       \
+        else if (tn == 2) BLOCK(2);                                                       \
+        else BLOCK(1);                                                                    \
+        for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * ROWS, acc[t], n - b * ROWS, is_bf16); \
+    }
+
+#endif
+
+/* out[tokens, n] = x[tokens, k] @ W.T for an int4 W (layout above; n padded to blocks of 16
+   in the weights, not in out). x and out are fp32 or bf16 (is_bf16), rows dense. Returns 0 when
+   out of memory. */
+int int4_matmul(const uint8_t *codes, const void *scale, const void *zero, int scales_bf16, const void *x,
+                void *out, int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+#ifdef HAVE_VNNI
+    Activations a;
+    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
+    const int64_t scale_bytes = scales_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
+        const int64_t first = b * a.groups * ROWS;  /* the block's first group-row */
+#define INT4_BLOCK(tn) int4_block(codes + first * GROUP / 2, (const char *)scale + first * scale_bytes, \
+                                  (const char *)zero + first * scale_bytes, scales_bf16, &a, k, t0, tn, acc)
+        FOR_EACH_TILE(INT4_BLOCK)
+#undef INT4_BLOCK
+    }
+    free(a.scale);
+    return 1;
+#else
+    (void)x, (void)codes, (void)scale, (void)zero, (void)scales_bf16, (void)out, (void)tokens, (void)k, (void)n;
+    (void)is_bf16, (void)num_threads;
+    return 0;
+#endif
+}
+
+/* out[tokens, n] = x[tokens, k] @ W.T for an int8 W (codes + 128 in blocks, scale [n padded to
+   16] fp32). Returns 0 when out of memory. */
+int int8_matmul(const uint8_t *codes, const float *scale, const void *x, void *out,
+                int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+#ifdef HAVE_VNNI
+    Activations a;
+    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
+#define INT8_BLOCK(tn) int8_block(codes + b * ROWS * k, scale + b * ROWS, &a, k, t0, tn, acc)
+        FOR_EACH_TILE(INT8_BLOCK)
+#undef INT8_BLOCK
+    }
+    free(a.scale);
+    return 1;
+#else
+    (void)x, (void)codes, (void)scale, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16, (void)num_threads;
+    return 0;
+#endif
+}
