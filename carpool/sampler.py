@@ -102,7 +102,8 @@ class Sampler:
             errors[i] = ("sampling failed: no token the structured output allows is left (min_tokens, "
                          "logit_bias, allowed_token_ids or bad_words exclude them all)")
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
-        for i in torch.nonzero(torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)).flatten().tolist():
+        # amax propagates NaN, so one reduction finds both.
+        for i in torch.nonzero(~(logits.amax(dim=-1) < float("inf"))).flatten().tolist():
             errors[i] = "sampling failed: the logits became NaN or infinite (check the penalties)"
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]

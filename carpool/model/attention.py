@@ -1,9 +1,10 @@
 """Paged attention over a block-addressed KV cache.
 
 The batch's tokens are laid out decodes first (one token each), then one chunk per prefilling
-sequence. On CPU the decodes are one call of a C kernel that reads their blocks in place
-(model/csrc/cpu_kernels.c: 1.5-3.7x faster than SDPA over gathered blocks, which remains
-the path elsewhere: one masked SDPA call over the decodes' gathered contexts). A prefill chunk
+sequence. On CPU the decodes are one call of a C kernel that writes their new k, v to the cache
+and reads their blocks in place (model/csrc/cpu_kernels.c: 1.5-3.7x faster than SDPA over
+gathered blocks, which remains the path elsewhere: one masked SDPA call over the decodes'
+gathered contexts). A prefill chunk
 with nothing cached is one causal SDPA call, and one with a cached prefix one SDPA call over
 the prefix and itself, with a causal mask offset by the tokens already cached. Block tables and
 masks are built once per step and shared by every layer.
@@ -76,13 +77,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D] for this step's tokens; cache: [2, slots,
     kv_heads, D]. Writes k, v into the cache and returns [T, heads, D]."""
-    cache[0].index_copy_(0, meta.slot_mapping, k)
-    cache[1].index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd, bs = meta.num_decodes, meta.block_size
-    if nd and meta.decode_mask is None:
-        paged_decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs, out[:nd])
-    elif nd:
+    if nd == len(q) and meta.decode_mask is None:  # decodes only: no slicing (each slice costs ~1 us)
+        paged_decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs, out,
+                               (k, v, meta.slot_mapping))
+        return out
+    if nd and meta.decode_mask is None:  # the C kernel, which writes the decodes' k, v itself
+        cache[0].index_copy_(0, meta.slot_mapping[nd:], k[nd:])
+        cache[1].index_copy_(0, meta.slot_mapping[nd:], v[nd:])
+        paged_decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs,
+                               out[:nd], (k[:nd], v[:nd], meta.slot_mapping[:nd]))
+    else:
+        cache[0].index_copy_(0, meta.slot_mapping, k)
+        cache[1].index_copy_(0, meta.slot_mapping, v)
+    if nd and meta.decode_mask is not None:
         out[:nd] = decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_mask, scale, bs)
     for p in meta.prefills:
         if p.block_table is None:  # nothing cached: plain causal attention over the chunk

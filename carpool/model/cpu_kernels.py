@@ -92,7 +92,7 @@ def library() -> ctypes.PyDLL | None:
         return None
     signatures = {
         "paged_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                   _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+                                   _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
         "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
         "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
@@ -113,27 +113,36 @@ def has_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, block_size: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                           | None = None) -> torch.Tensor:
     """Decodes over their cached contexts, read from the blocks in place. q: [B, heads, D] (rows
     may be strided, heads and D dense); cache: [2, slots, kv_heads, D]; block_tables: [B, n]
-    int64; context_lens: [B] int64 -> out [B, heads, D]."""
+    int64; context_lens: [B] int64 -> out [B, heads, D]. new_kv: (k, v, slots): the decodes'
+    new [B, kv_heads, D] rows (strided alike), which the kernel writes to the cache first."""
     num_seqs, num_heads, dim = q.shape
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
     assert cache[0].is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and q.dtype == cache.dtype
+    new = (None, 0, None, 0, None)
+    if new_kv is not None:
+        k, v, slots = new_kv
+        assert k.shape == v.shape and k.dtype == v.dtype == q.dtype and len(slots) == len(k) == num_seqs
+        assert k.stride(1) == v.stride(1) == dim and k.stride(2) == v.stride(2) == 1
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
+        new = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
     library().paged_decode_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
-        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), *new)
     return out
 
 
 def fuses(x: torch.Tensor) -> bool:
     """Whether the element-wise kernels below run for `x`: bf16 on CPU, eager (Inductor fuses
     the same steps in compiled graphs), and the library built. fp32 keeps torch's ops."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return (x.dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling()
             and library() is not None)
 
 

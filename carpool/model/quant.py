@@ -139,6 +139,7 @@ class QuantizedLinear(nn.Module):
         self.dense = nn.Linear(k, n, bias=linear.bias is not None)
         self.dense.weight = nn.Parameter(dense, requires_grad=False)
         self.dense.bias = linear.bias
+        self.has_bias = linear.bias is not None  # a plain bool: no submodule lookup per call
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -150,8 +151,7 @@ class QuantizedLinear(nn.Module):
                                                            self.scale_zeros)
             if y.shape[-1] != self.out_features:
                 y = y[:, :self.out_features]
-        bias = self.dense.bias
-        return y if bias is None else y + bias
+        return y + self.dense.bias if self.has_bias else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The C kernel is a ctypes call, which a compiled graph cannot hold: there the dense

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C comp
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=5), block=st.sampled_from([1, 5, 16]),
        kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]), dim=st.sampled_from([8, 40, 64, 128]),
-       bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, group, dim, bf16, seed):
+       bf16=st.booleans(), write_new=st.booleans(), seed=st.integers(0, 2**16))
+def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, group, dim, bf16, write_new, seed):
     """Each decode over its own blocks, scattered over the cache in random order, with strided
-    query rows (a view of a fused QKV output, as in the model)."""
+    query rows (a view of a fused QKV output, as in the model). With `write_new` the kernel first
+    writes each decode's new k, v row (strided views too) to its last slot, as the model asks."""
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32
     used = [-(-n // block) for n in lens]
@@ -40,7 +41,16 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
     heads = kv_heads * group
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     q = qkv[:, :heads * dim].view(-1, heads, dim)
-    got = cpu_kernels.paged_decode_attention(q, cache, padded, torch.tensor(lens), 0.3, block)
+    new_kv = None
+    if write_new:
+        k, v = qkv[:, heads * dim:].view(-1, 2 * kv_heads, dim).split(kv_heads, dim=1)
+        last = torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)])
+        new_kv = (k, v, last)
+        written = cache.clone()
+        written[0, last], written[1, last] = k, v
+    got = cpu_kernels.paged_decode_attention(q, cache, padded, torch.tensor(lens), 0.3, block, new_kv=new_kv)
+    if write_new:
+        assert torch.equal(cache, written)
     for row, (table, n) in enumerate(zip(tables, lens)):
         slots = (torch.tensor(table)[:, None] * block + torch.arange(block)).reshape(-1)
         want = naive(q[row:row + 1].float(), cache[0, slots].float(), cache[1, slots].float(), n - 1, 0.3)

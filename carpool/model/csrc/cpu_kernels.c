@@ -112,12 +112,17 @@ static inline __attribute__((always_inline)) void attend_kv_head(
 
 /* q: [seqs, heads, head_dim] rows `q_stride` elements apart; out likewise with `out_stride`.
    k_cache, v_cache: [slots, kv_heads, head_dim], slot = block * block_size + offset.
-   block_tables: [seqs, table_width]; context_lens: [seqs], the new token included. */
+   block_tables: [seqs, table_width]; context_lens: [seqs], the new token included.
+   k_new, v_new (NULL: already in the cache): the new tokens' [seqs, kv_heads, head_dim], rows
+   k_stride / v_stride elements apart, written to `slots` first: each task writes the rows it
+   then reads, so the cache write costs no torch op per layer. */
 void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                            const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                            void *k_cache, void *v_cache, const int64_t *block_tables,
                             int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int is_bf16, int num_threads) {
+                            float scale, int is_bf16, int num_threads,
+                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                            const int64_t *slots) {
     const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t slot_bytes = num_kv_heads * row_bytes;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
@@ -127,6 +132,11 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t 
             char *os = (char *)out + (s * out_stride + h * group * head_dim) * elem;
             const char *k_head = (const char *)k_cache + h * row_bytes, *v_head = (const char *)v_cache + h * row_bytes;
             const int64_t *table = block_tables + s * table_width;
+            if (k_new) {
+                const int64_t to = slots[s] * slot_bytes;
+                memcpy((char *)k_head + to, (const char *)k_new + (s * k_stride + h * head_dim) * elem, (size_t)row_bytes);
+                memcpy((char *)v_head + to, (const char *)v_new + (s * v_stride + h * head_dim) * elem, (size_t)row_bytes);
+            }
 #define ATTEND(bf16, dim) attend_kv_head(qs, os, k_head, v_head, table, context_lens[s], group, slot_bytes, \
                                          block_size, scale, bf16, dim)
             if (is_bf16 && head_dim == 64) ATTEND(1, 64);

@@ -45,6 +45,9 @@ int quant_gemv_supported(void) {
 #define GROUP 32
 #define ROWS 16 /* output rows per block: one zmm lane each */
 #define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
 
 /* The activations of one call: x ~ q * scale per group of 32. */
 typedef struct {
@@ -122,6 +125,7 @@ static inline __attribute__((always_inline)) void int4_block(
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
         const uint8_t *packed = codes + g * 256;
+        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
         __m512i w[8], start[TILE], dot[TILE];
         for (int j = 0; j < 4; j++) {
             const __m512i p = _mm512_loadu_si512(packed + j * 64);
@@ -148,7 +152,10 @@ static inline __attribute__((always_inline)) void int8_block(
     const __m512i zeros[TILE] = {0};
     for (int64_t g = 0; g < a->groups; g++) {
         __m512i w[8], dot[TILE];
-        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(codes + g * 512 + j * 64);
+        for (int j = 0; j < 8; j++) {
+            _mm_prefetch((const char *)codes + g * 512 + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
+            w[j] = _mm512_loadu_si512(codes + g * 512 + j * 64);
+        }
         group_dots(w, a->q + t0 * k + g * GROUP, k, tn, zeros, dot);
         for (int t = 0; t < tn; t++) {
             const int64_t v = (t0 + t) * a->groups + g;
