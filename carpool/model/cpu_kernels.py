@@ -96,7 +96,7 @@ def library() -> ctypes.PyDLL | None:
         "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
         "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
-        "int4_matmul": [_ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "int4_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
         "int8_matmul": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
         "quant_gemv_supported": [],
     }
@@ -188,20 +188,21 @@ def has_quantized_matmul() -> bool:
 
 
 class QuantizedMatmul:
-    """x @ W.T for a weight packed for the C kernels (int4 with `zero`, else int8; layouts:
+    """x @ W.T for a weight packed for the C kernels (int4 with `low`, its groups' minimums, else
+    int8; layouts:
     csrc/quant_gemv.c, written by quant.pack_int4 / pack_int8). The weight's pointers are bound
     once: a decode step makes ~120 of these calls, and each microsecond of Python is 0.1 ms."""
 
-    def __init__(self, n: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None):
-        assert codes.dtype == torch.uint8 and codes.is_contiguous() and scale.is_contiguous()
-        self.n, self.tensors = n, (codes, scale, zero)  # the tensors keep the bound pointers valid
-        if zero is None:
-            assert scale.dtype == torch.float32
+    def __init__(self, n: int, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None = None):
+        assert codes.dtype == torch.uint8 and scale.dtype == torch.float16
+        assert codes.is_contiguous() and scale.is_contiguous()
+        self.n, self.tensors = n, (codes, scale, low)  # the tensors keep the bound pointers valid
+        if low is None:
             self._matmul = functools.partial(library().int8_matmul, codes.data_ptr(), scale.data_ptr())
         else:
-            assert scale.dtype == zero.dtype in SUPPORTED_DTYPES and zero.is_contiguous()
+            assert low.dtype == torch.float16 and low.is_contiguous()
             self._matmul = functools.partial(library().int4_matmul, codes.data_ptr(), scale.data_ptr(),
-                                             zero.data_ptr(), scale.dtype == torch.bfloat16)
+                                             low.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, k], fp32 or bf16."""

@@ -1,13 +1,14 @@
 """Weight-only quantized linear layers on CPU (`--quantization int8|int4`).
 
-int8: one scale per output channel (symmetric). int4: a scale and a zero per group of 32 input
-channels (asymmetric). That is GGUF Q4_1's layout: requantizing a Q4_1 checkpoint's weights
-gives back its 4-bit codes, so int4 runs such a checkpoint without widening it. Weights are
-quantized from the fp32 values the loader produced, after tensor-parallel sharding.
-
 Where the CPU has AVX-512 VNNI, carpool's C kernels run them (csrc/quant_gemv.c: activations
 quantized to int8 per group of 32, integer dot products; 2-3x faster than torch's kernels at
-one token, BENCHMARKS.md), else torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`.
+one token, BENCHMARKS.md) in GGUF's own forms, with fp16 scales per group of 32 input channels:
+int8 as Q8_0 (w = code * scale), int4 as Q4_1 (w = code * scale + min). Requantizing a Q8_0 /
+Q4_1 tensor gives back its codes, so a GGUF checkpoint runs as stored, without widening. Else
+torch's `_weight_int8pack_mm` (a scale per output channel) and `_weight_int4pack_mm_for_cpu`
+((code - 8) * scale + zero per group of 32, scales in the model dtype) run. Weights are
+quantized from the fp32 values the loader produced, after tensor-parallel sharding.
+
 The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows: their time
 grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to ~16 rows
 (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized weights
@@ -34,16 +35,21 @@ log = logging.getLogger("carpool")
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # divides every K of the default model, also per TP shard (576 / 2 = 288)
+INT8_GROUP_SIZE = 32  # with the C kernel, as GGUF Q8_0
 DEFAULT_MAX_QUANTIZED_TOKENS = 4  # until choose_kernels measures it (this crossover on AMX)
 KERNEL_ROWS = 16  # output rows per block of the C kernels' weight layout
 _TINY = 1e-30  # scale of an all-equal row/group: its codes are arbitrary, the zero carries it
 
 
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 codes [N, K], scales [N] as `dtype` rounds them, kept in fp32)."""
-    scales = (w.abs().amax(dim=1) / 127).to(dtype).float()
-    q = torch.round(w / scales.clamp(min=_TINY)[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype, group_size: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 codes [N, K], scales as `dtype` rounds them, kept in fp32): one per
+    row ([N]), or with `group_size` one per row and group of input channels ([N, K / group])."""
+    n, k = w.shape
+    groups = w.reshape(n, -1, group_size or k)
+    scales = (groups.abs().amax(dim=-1) / 127).to(dtype).float()
+    q = torch.round(groups / scales.clamp(min=_TINY)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales if group_size else scales[:, 0]
 
 
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE
@@ -72,26 +78,38 @@ def _row_blocks(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, KERNEL_ROWS, *t.shape[1:])
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scale_dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K] (0..15), scale and zero [N, K / 32] -> the C kernel's blocks of 16 rows
+def quantize_q4_1(w: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (codes 0..15 [N, K] int32, scale and min [N, K / group] as fp16 rounds
+    them, kept in fp32): GGUF Q4_1, w = code * scale + min, a Q4_1 tensor's own codes and fp16
+    scales given back. The C kernel's int4 form (torch's takes (code - 8) * scale + zero)."""
+    n, k = w.shape
+    groups = w.reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale, low = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = torch.round((groups - low[..., None]) / scale.clamp(min=_TINY)[..., None]).clamp(0, 15)
+    return q.to(torch.int32).reshape(n, k), scale, low
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_q4_1's codes [N, K], scale and min [N, K / 32] -> the C kernel's blocks of 16 rows
     (csrc/quant_gemv.c): codes [N / 16, K / 32, 4, 16, 4] bytes, channels 16.. in the high
-    nibbles; scale and zero [N / 16, K / 32, 16]."""
+    nibbles; scale and min [N / 16, K / 32, 16] fp16."""
     blocks = _row_blocks(q.to(torch.uint8))  # [B, 16 rows, K]
     b, _, k = blocks.shape
     quads = blocks.reshape(b, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [B, G, half, quad, row, 4]
     codes = (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
-    per_group = lambda t: _row_blocks(t).transpose(1, 2).to(scale_dtype).contiguous()
-    return codes, per_group(scale), per_group(zero)
+    per_group = lambda t: _row_blocks(t).transpose(1, 2).to(torch.float16).contiguous()
+    return codes, per_group(scale), per_group(low)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes [N, K] int8, scales [N] -> codes + 128 as [N / 16, K / 4, 16, 4] bytes, scales
-    padded to whole blocks (fp32)."""
+    """Codes [N, K] int8, scales [N, K / 32] -> codes + 128 as [N / 16, K / 4, 16, 4] bytes;
+    scales [N / 16, K / 32, 16] fp16 (GGUF Q8_0's own precision)."""
     blocks = _row_blocks((q.to(torch.int16) + 128).to(torch.uint8))
     b, _, k = blocks.shape
     codes = blocks.reshape(b, 16, k // 4, 4).transpose(1, 2).contiguous()
-    return codes, _row_blocks(scales.float()[:, None]).reshape(-1)
+    return codes, _row_blocks(scales).transpose(1, 2).to(torch.float16).contiguous()
 
 
 class QuantizedLinear(nn.Module):
@@ -111,29 +129,30 @@ class QuantizedLinear(nn.Module):
         self.kernel: cpu_kernels.QuantizedMatmul | None = None
         use_kernel = (c_kernel and cpu_kernels.has_quantized_matmul() and dtype in cpu_kernels.SUPPORTED_DTYPES
                       and k % 32 == 0)
-        if mode == "int8":
+        if mode == "int8" and use_kernel:  # GGUF Q8_0's form: a Q8_0 tensor keeps its codes
+            q, scales = quantize_int8(w, torch.float16, INT8_GROUP_SIZE)
+            self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int8(q, scales))
+            dense = (q.float().reshape(n, -1, INT8_GROUP_SIZE) * scales[..., None]).reshape(n, k)
+        elif mode == "int8":  # torch's kernel takes one scale per output channel
             q, scales = quantize_int8(w, dtype)
-            if use_kernel:
-                self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int8(q, scales))
-            else:
-                self.register_buffer("qweight", q)
-                self.register_buffer("scales", scales)  # cast to the model dtype with the model
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)  # cast to the model dtype with the model
             dense = q.float() * scales[:, None]
         elif mode == "int4":
             if k % group_size:
                 raise ValueError(f"int4 quantization needs input sizes divisible by {group_size}; "
                                  f"a {n}x{k} weight has {k}")
             self.group_size = group_size
-            pad = -n % 16  # both kernels want N divisible by 16: zero rows, never output
-            q, scale_zeros = quantize_int4(torch.nn.functional.pad(w, (0, 0, 0, pad)), dtype, group_size)
-            if use_kernel:
-                scale, zero = scale_zeros.transpose(0, 1).unbind(-1)
-                packed = pack_int4(q, scale, zero, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-                self.kernel = cpu_kernels.QuantizedMatmul(n, *packed)
+            if use_kernel and group_size == 32:
+                q, scale, low = quantize_q4_1(w)
+                self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int4(q, scale, low))
+                dense = (q.reshape(n, -1, 32) * scale[..., None] + low[..., None]).reshape(n, k)
             else:
+                pad = -n % 16  # torch's packing wants N divisible by 16: zero rows, sliced off
+                q, scale_zeros = quantize_int4(torch.nn.functional.pad(w, (0, 0, 0, pad)), dtype, group_size)
                 self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
                 self.register_buffer("scale_zeros", scale_zeros)
-            dense = dequantize_int4(q, scale_zeros, group_size)[:n]
+                dense = dequantize_int4(q, scale_zeros, group_size)[:n]
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
         self.dense = nn.Linear(k, n, bias=linear.bias is not None)

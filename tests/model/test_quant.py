@@ -19,7 +19,7 @@ from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
 from carpool.model.loader import open_gguf, resolve_quantization
 from carpool.model.quant import (QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
-                                 quantize_int8, quantize_linears)
+                                 quantize_int8, quantize_linears, quantize_q4_1)
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
 
@@ -43,12 +43,13 @@ def c_kernel_reference(q: QuantizedLinear, base: nn.Linear, x: torch.Tensor) -> 
     inv = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # (127 / top is 127 * (1 / top))
     codes = torch.round(groups * inv).clamp(-127, 127)
     rounded = (codes.double() * (top / 127).double()).reshape(x.shape)
-    if q.mode == "int8":
-        q8, scales = quantize_int8(base.weight.float(), q.dtype)
-        return rounded @ (q8.double() * scales.double()[:, None]).T
-    q4, scale_zeros = quantize_int4(base.weight.float(), q.dtype)
-    zeros = scale_zeros[..., 1].T.double().repeat_interleave(32, dim=1)  # [N, K]
-    return rounded @ dequantize_int4(q4, scale_zeros).double().T + (x.double() - rounded) @ zeros.T
+    if q.mode == "int8":  # Q8_0: a scale per group of 32, fp16
+        q8, scales = quantize_int8(base.weight.float(), torch.float16, group_size=32)
+        return rounded @ (q8.double() * scales.double().repeat_interleave(32, dim=1)).T
+    q4, scale, low = quantize_q4_1(base.weight.float())  # Q4_1: fp16 scale and min per group of 32
+    dense = q4.double() * scale.double().repeat_interleave(32, dim=1) + low.double().repeat_interleave(32, dim=1)
+    zeros = (low + 8 * scale).double().repeat_interleave(32, dim=1)  # [N, K]: what the codes centre on
+    return rounded @ dense.T + (x.double() - rounded) @ zeros.T
 
 
 @pytest.fixture(params=["C kernel", "torch kernel"])
@@ -121,8 +122,26 @@ def test_int4_keeps_gguf_q4_1_codes(reader):
     assert GGMLQuantizationType(t.tensor_type).name == "Q4_1"
     w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
                          .reshape(tuple(int(d) for d in reversed(t.shape))))
-    q, sz = quantize_int4(w, torch.float32)
+    q, sz = quantize_int4(w, torch.float32)  # torch's kernel's form, fp32 scales
     torch.testing.assert_close(dequantize_int4(q, sz), w, rtol=0, atol=1e-6)
+    q, scale, low = quantize_q4_1(w)  # the C kernel's: Q4_1's own fp16 scale and min
+    restored = q.float().reshape(len(w), -1, 32) * scale[..., None] + low[..., None]
+    torch.testing.assert_close(restored.reshape(w.shape), w, rtol=0, atol=1e-6)
+
+
+def test_int8_keeps_gguf_q8_0_codes(reader):
+    """The C kernel's int8 (a fp16 scale per group of 32) gives back a Q8_0 tensor's values: the
+    embedded model's tied LM head runs exactly as stored."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert GGMLQuantizationType(t.tensor_type).name == "Q8_0"
+    w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                         .reshape(tuple(int(d) for d in reversed(t.shape))))[:4096]
+    q, scales = quantize_int8(w, torch.float16, group_size=32)
+    restored = q.float().reshape(len(w), -1, 32) * scales[..., None]
+    torch.testing.assert_close(restored.reshape(w.shape), w, rtol=0, atol=0)
 
 
 def test_resolve_quantization(model_path, reader):
@@ -177,8 +196,10 @@ def bf16_quality(model_path, reference):
     return quality(engine, *reference)
 
 
-# Measured (Xeon, torch 2.13): bf16 0.973 / ppl 23.71; int8 0.964 / 24.06 (+1.5%);
-# int4 0.978 / 23.99 (+1.2%: the Q4_1 layers are kept exactly, the LM head is int8); fp32 ppl 23.86.
+# Measured (Xeon with AMX, torch 2.13), torch's kernels: bf16 0.973 / ppl 23.71; int8 0.964 / 24.06
+# (+1.5%); int4 0.978 / 23.99 (+1.2%). carpool's C kernels (int8 activations, the checkpoint's Q4_1
+# layers and Q8_0 LM head kept exactly): bf16 0.978 / 23.79; int8 0.976 / 23.85 (+0.2%); int4
+# 0.981 / 24.20 (+1.7%).
 @pytest.mark.parametrize("mode, min_top1, max_ppl_ratio", [("int8", 0.95, 1.03), ("int4", 0.90, 1.15)])
 def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality, mode, min_top1,
                                             max_ppl_ratio):

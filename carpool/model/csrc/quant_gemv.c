@@ -12,14 +12,15 @@
    of 16 rows, so a lane is a row and every product is against one broadcast activation quad.
    Lanes never need summing across, and a group's 16 scales are one vector load.
 
-   int4: w = (code - 8) * scale + zero per row and group of 32 input channels (torch's int4
-   form). For each block and group, 256 bytes: zmm j (0..3) holds channels 4j..4j+3 of the 16
+   int4: w = code * scale + min per row and group of 32 input channels (GGUF Q4_1's form),
+   computed as (code - 8) * scale + zero with zero = min + 8 * scale. For each block and group, 256 bytes: zmm j (0..3) holds channels 4j..4j+3 of the 16
    rows in its low nibbles and channels 16 + 4j.. in its high ones. The codes are multiplied as
    unsigned 0..15 and the 8 taken back out exactly, in integers, from the activations' own sum
    (sum((c - 8) x) = sum(c x) - 8 sum(x)): the rounding of x then meets weights centred on their
-   group, as accurate as symmetric weights. scale and zero: [blocks, groups, 16], bf16 or fp32.
-   int8: one fp32 scale per row; codes stored as code + 128 in the same block layout (64 bytes
-   per 4 channels), the 128 taken back out as 128 * sum(x), once per token.
+   group, as accurate as symmetric weights. scale and min: [blocks, groups, 16] fp16 (Q4_1's).
+   int8: w = code * scale per row and group of 32 (GGUF Q8_0's form); codes stored as code + 128
+   in the same block layout (64 bytes per 4 channels), the 128 taken back out like int4's 8;
+   scales [blocks, groups, 16] fp16.
 
    Without AVX-512 VNNI `quant_gemv_supported` says 0 and quant.py keeps torch's kernels. */
 
@@ -119,7 +120,7 @@ static inline __attribute__((always_inline)) void group_dots(
 
 /* One block of 16 rows of an int4 weight against `tn` tokens from t0. */
 static inline __attribute__((always_inline)) void int4_block(
-        const uint8_t *codes, const void *scale, const void *zero, int scales_bf16, const Activations *a,
+        const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
         int64_t k, int64_t t0, const int tn, __m512 acc[TILE]) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
@@ -134,7 +135,9 @@ static inline __attribute__((always_inline)) void int4_block(
         }
         for (int t = 0; t < tn; t++) start[t] = _mm512_set1_epi32(-8 * a->qsum[(t0 + t) * a->groups + g]);
         group_dots(w, a->q + t0 * k + g * GROUP, k, tn, start, dot);
-        const __m512 s = load16(scale, g * ROWS, scales_bf16), z = load16(zero, g * ROWS, scales_bf16);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * ROWS)));
+        const __m512 z = _mm512_fmadd_ps(_mm512_set1_ps(8.f), s,
+                                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(min + g * ROWS))));
         for (int t = 0; t < tn; t++) {
             const int64_t v = (t0 + t) * a->groups + g;
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(a->scale[v])), acc[t]);
@@ -145,27 +148,23 @@ static inline __attribute__((always_inline)) void int4_block(
 
 /* One block of 16 rows of an int8 weight (codes + 128) against `tn` tokens from t0. */
 static inline __attribute__((always_inline)) void int8_block(
-        const uint8_t *codes, const float *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
+        const uint8_t *codes, const uint16_t *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
         __m512 acc[TILE]) {
-    __m512 offset[TILE];
-    for (int t = 0; t < tn; t++) acc[t] = offset[t] = _mm512_setzero_ps();
-    const __m512i zeros[TILE] = {0};
+    for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
-        __m512i w[8], dot[TILE];
+        __m512i w[8], start[TILE], dot[TILE];
         for (int j = 0; j < 8; j++) {
             _mm_prefetch((const char *)codes + g * 512 + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
             w[j] = _mm512_loadu_si512(codes + g * 512 + j * 64);
         }
-        group_dots(w, a->q + t0 * k + g * GROUP, k, tn, zeros, dot);
+        for (int t = 0; t < tn; t++) start[t] = _mm512_set1_epi32(-128 * a->qsum[(t0 + t) * a->groups + g]);
+        group_dots(w, a->q + t0 * k + g * GROUP, k, tn, start, dot);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * ROWS)));
         for (int t = 0; t < tn; t++) {
-            const int64_t v = (t0 + t) * a->groups + g;
-            const __m512 dx = _mm512_set1_ps(a->scale[v]);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), dx, acc[t]);
-            offset[t] = _mm512_fmadd_ps(_mm512_set1_ps(128.f * (float)a->qsum[v]), dx, offset[t]);
+            const __m512 dx = _mm512_set1_ps(a->scale[(t0 + t) * a->groups + g]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, dx), acc[t]);
         }
     }
-    const __m512 s = _mm512_loadu_ps(scale);
-    for (int t = 0; t < tn; t++) acc[t] = _mm512_mul_ps(_mm512_sub_ps(acc[t], offset[t]), s);
 }
 
 #define FOR_EACH_TILE(BLOCK)                                                              \
@@ -184,39 +183,37 @@ static inline __attribute__((always_inline)) void int8_block(
 /* out[tokens, n] = x[tokens, k] @ W.T for an int4 W (layout above; n padded to blocks of 16
    in the weights, not in out). x and out are fp32 or bf16 (is_bf16), rows dense. Returns 0 when
    out of memory. */
-int int4_matmul(const uint8_t *codes, const void *scale, const void *zero, int scales_bf16, const void *x,
-                void *out, int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
-#ifdef HAVE_VNNI
-    Activations a;
-    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
-    const int64_t scale_bytes = scales_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
-        const int64_t first = b * a.groups * ROWS;  /* the block's first group-row */
-#define INT4_BLOCK(tn) int4_block(codes + first * GROUP / 2, (const char *)scale + first * scale_bytes, \
-                                  (const char *)zero + first * scale_bytes, scales_bf16, &a, k, t0, tn, acc)
-        FOR_EACH_TILE(INT4_BLOCK)
-#undef INT4_BLOCK
-    }
-    free(a.scale);
-    return 1;
-#else
-    (void)x, (void)codes, (void)scale, (void)zero, (void)scales_bf16, (void)out, (void)tokens, (void)k, (void)n;
-    (void)is_bf16, (void)num_threads;
-    return 0;
-#endif
-}
-
-/* out[tokens, n] = x[tokens, k] @ W.T for an int8 W (codes + 128 in blocks, scale [n padded to
-   16] fp32). Returns 0 when out of memory. */
-int int8_matmul(const uint8_t *codes, const float *scale, const void *x, void *out,
+int int4_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                 int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
 #ifdef HAVE_VNNI
     Activations a;
     if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
-#define INT8_BLOCK(tn) int8_block(codes + b * ROWS * k, scale + b * ROWS, &a, k, t0, tn, acc)
+        const int64_t first = b * a.groups * ROWS;  /* the block's first group-row */
+#define INT4_BLOCK(tn) int4_block(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, acc)
+        FOR_EACH_TILE(INT4_BLOCK)
+#undef INT4_BLOCK
+    }
+    free(a.scale);
+    return 1;
+#else
+    (void)x, (void)codes, (void)scale, (void)min, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16;
+    (void)num_threads;
+    return 0;
+#endif
+}
+
+/* out[tokens, n] = x[tokens, k] @ W.T for an int8 W (codes + 128 and fp16 scales in blocks).
+   Returns 0 when out of memory. */
+int int8_matmul(const uint8_t *codes, const uint16_t *scale, const void *x, void *out,
+                int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+#ifdef HAVE_VNNI
+    Activations a;
+    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
+#define INT8_BLOCK(tn) int8_block(codes + b * ROWS * k, scale + b * a.groups * ROWS, &a, k, t0, tn, acc)
         FOR_EACH_TILE(INT8_BLOCK)
 #undef INT8_BLOCK
     }
