@@ -96,11 +96,10 @@ def library() -> ctypes.PyDLL | None:
         "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
         "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
-        "int4_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
-        "int8_matmul": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "quantized_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
         "quant_gemv_supported": [],
     }
-    returns = {"int4_matmul": ctypes.c_int, "int8_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int}
+    returns = {"quantized_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = returns.get(name), argtypes
@@ -196,13 +195,10 @@ class QuantizedMatmul:
     def __init__(self, n: int, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None = None):
         assert codes.dtype == torch.uint8 and scale.dtype == torch.float16
         assert codes.is_contiguous() and scale.is_contiguous()
+        assert low is None or (low.dtype == torch.float16 and low.is_contiguous())
         self.n, self.tensors = n, (codes, scale, low)  # the tensors keep the bound pointers valid
-        if low is None:
-            self._matmul = functools.partial(library().int8_matmul, codes.data_ptr(), scale.data_ptr())
-        else:
-            assert low.dtype == torch.float16 and low.is_contiguous()
-            self._matmul = functools.partial(library().int4_matmul, codes.data_ptr(), scale.data_ptr(),
-                                             low.data_ptr())
+        self._matmul = functools.partial(library().quantized_matmul, codes.data_ptr(), scale.data_ptr(),
+                                         None if low is None else low.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, k], fp32 or bf16."""

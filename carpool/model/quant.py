@@ -1,17 +1,18 @@
 """Weight-only quantized linear layers on CPU (`--quantization int8|int4`).
 
-Where the CPU has AVX-512 VNNI, carpool's C kernels run them (csrc/quant_gemv.c: activations
-quantized to int8 per group of 32, integer dot products; 2-3x faster than torch's kernels at
-one token, BENCHMARKS.md) in GGUF's own forms, with fp16 scales per group of 32 input channels:
-int8 as Q8_0 (w = code * scale), int4 as Q4_1 (w = code * scale + min). Requantizing a Q8_0 /
-Q4_1 tensor gives back its codes, so a GGUF checkpoint runs as stored, without widening. Else
-torch's `_weight_int8pack_mm` (a scale per output channel) and `_weight_int4pack_mm_for_cpu`
-((code - 8) * scale + zero per group of 32, scales in the model dtype) run. Weights are
-quantized from the fp32 values the loader produced, after tensor-parallel sharding.
+In bf16 on a CPU with AVX-512 VNNI, carpool's C kernels run them (csrc/quant_gemv.c:
+activations quantized to int8 per group of 32, integer dot products; 1.4-1.9x faster than
+torch's kernels at one token, BENCHMARKS.md) in GGUF's own forms, with fp16 scales per group of
+32 input channels: int8 as Q8_0 (w = code * scale), int4 as Q4_1 (w = code * scale + min).
+Requantizing a Q8_0 / Q4_1 tensor gives back its codes, so a GGUF checkpoint runs as stored.
+Elsewhere (fp32, the reference arithmetic, included) torch's `_weight_int8pack_mm` (a scale
+per output channel) and `_weight_int4pack_mm_for_cpu` ((code - 8) * scale + zero per group of
+32, scales in the model dtype) run. Weights are quantized from the fp32 values the loader
+produced, after tensor-parallel sharding.
 
-The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows: their time
-grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to ~16 rows
-(`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized weights
+The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows:
+their time grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to
+~16 rows (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized weights
 for small token counts (decode) and a bf16 copy *of the dequantized weights* for larger ones
 (prefill chunks), one function whichever kernel runs. Dequantizing on the fly instead costs more
 than the bf16 GEMM itself (576x49152 LM head: ~48 ms to widen vs ~1 ms to multiply one row).
@@ -117,7 +118,9 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, mode: str, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE,
                  c_kernel: bool = True):
-        """c_kernel: run carpool's C kernel where it can (False: torch's, as `bench quant` times)."""
+        """c_kernel: run carpool's C kernel where it can: bf16 (fp32 stays the reference arithmetic:
+        the C kernel rounds activations to int8), AVX-512 VNNI. False: torch's, as `bench quant`
+        times it."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -127,8 +130,7 @@ class QuantizedLinear(nn.Module):
         # The C kernels' packed weights where they run (a plain attribute: the model's .to(dtype)
         # must not cast their scales), else torch's kernels' buffers.
         self.kernel: cpu_kernels.QuantizedMatmul | None = None
-        use_kernel = (c_kernel and cpu_kernels.has_quantized_matmul() and dtype in cpu_kernels.SUPPORTED_DTYPES
-                      and k % 32 == 0)
+        use_kernel = c_kernel and dtype == torch.bfloat16 and k % 32 == 0 and cpu_kernels.has_quantized_matmul()
         if mode == "int8" and use_kernel:  # GGUF Q8_0's form: a Q8_0 tensor keeps its codes
             q, scales = quantize_int8(w, torch.float16, INT8_GROUP_SIZE)
             self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int8(q, scales))

@@ -180,47 +180,27 @@ static inline __attribute__((always_inline)) void int8_block(
 
 #endif
 
-/* out[tokens, n] = x[tokens, k] @ W.T for an int4 W (layout above; n padded to blocks of 16
-   in the weights, not in out). x and out are fp32 or bf16 (is_bf16), rows dense. Returns 0 when
-   out of memory. */
-int int4_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
-                int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+/* out[tokens, n] = x[tokens, k] @ W.T for a W packed as above: int4 given `min`, int8 when
+   min is NULL (n is padded to blocks of 16 in the weights, not in out). x and out are fp32 or
+   bf16 (is_bf16), rows dense. Returns 0 when out of memory. */
+int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                     int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
 #ifdef HAVE_VNNI
     Activations a;
     if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
-        const int64_t first = b * a.groups * ROWS;  /* the block's first group-row */
-#define INT4_BLOCK(tn) int4_block(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, acc)
-        FOR_EACH_TILE(INT4_BLOCK)
-#undef INT4_BLOCK
+        const int64_t first = b * a.groups * ROWS;  /* the block's first (row, group) */
+#define BLOCK(tn) (min ? int4_block(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, acc) \
+                       : int8_block(codes + first * GROUP, scale + first, &a, k, t0, tn, acc))
+        FOR_EACH_TILE(BLOCK)
+#undef BLOCK
     }
     free(a.scale);
     return 1;
 #else
     (void)x, (void)codes, (void)scale, (void)min, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16;
     (void)num_threads;
-    return 0;
-#endif
-}
-
-/* out[tokens, n] = x[tokens, k] @ W.T for an int8 W (codes + 128 and fp16 scales in blocks).
-   Returns 0 when out of memory. */
-int int8_matmul(const uint8_t *codes, const uint16_t *scale, const void *x, void *out,
-                int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
-#ifdef HAVE_VNNI
-    Activations a;
-    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
-#define INT8_BLOCK(tn) int8_block(codes + b * ROWS * k, scale + b * a.groups * ROWS, &a, k, t0, tn, acc)
-        FOR_EACH_TILE(INT8_BLOCK)
-#undef INT8_BLOCK
-    }
-    free(a.scale);
-    return 1;
-#else
-    (void)x, (void)codes, (void)scale, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16, (void)num_threads;
     return 0;
 #endif
 }
