@@ -12,9 +12,9 @@ produced, after tensor-parallel sharding.
 
 The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows:
 their time grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to
-~16 rows (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized weights
-for small token counts (decode) and a bf16 copy *of the dequantized weights* for larger ones
-(prefill chunks), one function whichever kernel runs. Dequantizing on the fly instead costs more
+~16 rows (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized
+weights for small token counts (decode) and a bf16 copy *of the dequantized weights* for larger
+ones (prefill chunks), one function whichever kernel runs. Dequantizing on the fly instead costs more
 than the bf16 GEMM itself (576x49152 LM head: ~48 ms to widen vs ~1 ms to multiply one row).
 The crossover is measured per weight shape when the runner is built (`choose_kernels`, ~0.2 s):
 it moves with the CPU (AMX makes bf16 strong; without it the quantized kernels win further).
@@ -92,7 +92,8 @@ def quantize_q4_1(w: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     return q.to(torch.int32).reshape(n, k), scale, low
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_q4_1's codes [N, K], scale and min [N, K / 32] -> the C kernel's blocks of 16 rows
     (csrc/quant_gemv.c): codes [N / 16, K / 32, 4, 16, 4] bytes, channels 16.. in the high
     nibbles; scale and min [N / 16, K / 32, 16] fp16."""

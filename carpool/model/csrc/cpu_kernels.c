@@ -68,15 +68,17 @@ static inline __m512 load16f(const char *row, int is_bf16, int64_t d) {
 #define IN_PLACE(dim) ((dim) % 16 == 0 && (dim) <= 256)
 #endif
 
-static inline __attribute__((always_inline)) void score_row(const float *qf, const char *row, int is_bf16, int64_t dim, int64_t group,
-                             float *scores, int64_t stride, float scale, float *buf) {
+static inline __attribute__((always_inline)) void score_row(
+        const float *qf, const char *row, int is_bf16, int64_t dim, int64_t group, float *scores, int64_t stride,
+        float scale, float *buf) {
 #ifdef __AVX512F__
     if (IN_PLACE(dim)) {
         __m512 k[16];
         for (int64_t d = 0; d < dim / 16; d++) k[d] = load16f(row, is_bf16, d * 16);
         for (int64_t g = 0; g < group; g++) {
             __m512 sum = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim / 16; d++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + d * 16), k[d], sum);
+            for (int64_t d = 0; d < dim / 16; d++)
+                sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + d * 16), k[d], sum);
             scores[g * stride] = _mm512_reduce_add_ps(sum) * scale;
         }
         return;
@@ -86,8 +88,9 @@ static inline __attribute__((always_inline)) void score_row(const float *qf, con
     for (int64_t g = 0; g < group; g++) scores[g * stride] = dot(qf + g * dim, k, dim) * scale;
 }
 
-static inline __attribute__((always_inline)) void accumulate_row(float *acc, const float *p, int64_t stride, const char *row, int is_bf16,
-                                  int64_t dim, int64_t group, float *buf) {
+static inline __attribute__((always_inline)) void accumulate_row(
+        float *acc, const float *p, int64_t stride, const char *row, int is_bf16, int64_t dim, int64_t group,
+        float *buf) {
 #ifdef __AVX512F__
     if (IN_PLACE(dim)) {
         for (int64_t d = 0; d < dim; d += 16) {
@@ -180,8 +183,10 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t 
             const int64_t *table = block_tables + s * table_width;
             if (k_new) {
                 const int64_t to = slots[s] * slot_bytes;
-                memcpy((char *)k_head + to, (const char *)k_new + (s * k_stride + h * head_dim) * elem, (size_t)row_bytes);
-                memcpy((char *)v_head + to, (const char *)v_new + (s * v_stride + h * head_dim) * elem, (size_t)row_bytes);
+                const char *k_row = (const char *)k_new + (s * k_stride + h * head_dim) * elem;
+                const char *v_row = (const char *)v_new + (s * v_stride + h * head_dim) * elem;
+                memcpy((char *)k_head + to, k_row, (size_t)row_bytes);
+                memcpy((char *)v_head + to, v_row, (size_t)row_bytes);
             }
 #define ATTEND(bf16, dim) attend_kv_head(qs, os, k_head, v_head, table, context_lens[s], group, slot_bytes, \
                                          block_size, scale, bf16, dim)

@@ -13,11 +13,12 @@
    Lanes never need summing across, and a group's 16 scales are one vector load.
 
    int4: w = code * scale + min per row and group of 32 input channels (GGUF Q4_1's form),
-   computed as (code - 8) * scale + zero with zero = min + 8 * scale. For each block and group, 256 bytes: zmm j (0..3) holds channels 4j..4j+3 of the 16
-   rows in its low nibbles and channels 16 + 4j.. in its high ones. The codes are multiplied as
-   unsigned 0..15 and the 8 taken back out exactly, in integers, from the activations' own sum
-   (sum((c - 8) x) = sum(c x) - 8 sum(x)): the rounding of x then meets weights centred on their
-   group, as accurate as symmetric weights. scale and min: [blocks, groups, 16] fp16 (Q4_1's).
+   computed as (code - 8) * scale + zero with zero = min + 8 * scale. For each block and group,
+   256 bytes: zmm j (0..3) holds channels 4j..4j+3 of the 16 rows in its low nibbles and
+   channels 16 + 4j.. in its high ones. The codes are multiplied as unsigned 0..15 and the 8
+   taken back out exactly, in integers, from the activations' own sum (sum((c - 8) x) =
+   sum(c x) - 8 sum(x)): the rounding of x then meets weights centred on their group, as
+   accurate as symmetric weights. scale and min: [blocks, groups, 16] fp16 (Q4_1's).
    int8: w = code * scale per row and group of 32 (GGUF Q8_0's form); codes stored as code + 128
    in the same block layout (64 bytes per 4 channels), the 128 taken back out like int4's 8;
    scales [blocks, groups, 16] fp16.
@@ -79,7 +80,8 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
         const __m512 lo = load16(x, i, is_bf16), hi = load16(x, i + 16, is_bf16);
         const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
         _mm_storeu_si128((__m128i *)(a->q + i), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(a->q + i + 16), _mm512_cvtsepi32_epi8(qhi));
         a->scale[v] = top / 127.f;
@@ -98,7 +100,8 @@ static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_
     }
     const __m512i u = _mm512_castps_si512(v);  /* round to nearest even, as torch does */
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
