@@ -98,8 +98,10 @@ def library() -> ctypes.PyDLL | None:
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
         "quantized_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
         "quant_gemv_supported": [],
+        "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
+                          ctypes.c_int],
     }
-    returns = {"quantized_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int}
+    returns = {"quantized_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int, "decode_layers": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = returns.get(name), argtypes

@@ -314,6 +314,9 @@ class LlamaModel(nn.Module):
             # Vocabulary-parallel: this rank's rows of the LM head (all of them without TP).
             self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_range(config.vocab_size)[1], bias=False)
         self.requires_grad_(False)
+        # All layers of a decode-only step in one C call, where it applies (set by the model
+        # runner once the weights are final: model/fused_decode.py).
+        self.fused_decode = None
 
     @property
     def num_local_layers(self) -> int:
@@ -326,6 +329,8 @@ class LlamaModel(nn.Module):
         (normed on the last stage)."""
         x = self.embed_tokens(input_ids) if self.is_first else hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
+            return self.fused_decode(x, cos, sin, kv_cache, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
         return self.norm(x) if self.is_last else x

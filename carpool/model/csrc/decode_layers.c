@@ -1,0 +1,110 @@
+/* A decode-only step's decoder layers in one call (model/fused_decode.py drives it).
+
+   At one token a layer is ten small steps (norm, QKV, RoPE, attention, output projection,
+   residual + norm, gate/up, SiLU * up, down, residual), each a C kernel already; between them
+   eager PyTorch spends a few microseconds of Python apiece (module calls, views, empty
+   tensors): ~1,000 calls per step, which at one token cost more than the matmuls. This file
+   strings the same kernels together, in the same order and with the same roundings, so a step
+   makes one call for all its layers and its outputs equal the eager path's bit for bit. */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                     int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
+void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                            void *k_cache, void *v_cache, const int64_t *block_tables,
+                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, int is_bf16, int num_threads,
+                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                            const int64_t *slots);
+void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, uint16_t *out,
+                   const uint16_t *weight, int64_t rows, int64_t dim, float eps);
+void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
+               const uint16_t *cos, const uint16_t *sin);
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+
+/* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scale, *min, *bias;
+} QuantizedWeight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_attention_norm;
+    QuantizedWeight qkv, o, gate_up, down;
+} DecoderLayerWeights;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} DecoderShape;
+
+static inline float bf16_as_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t round_to_bf16(float f) {  /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`). */
+static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int64_t tokens, int64_t k, int64_t n,
+                  int num_threads) {
+    if (!quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads)) return 0;
+    if (w->bias)
+        for (int64_t i = 0; i < tokens * n; i++) y[i] = round_to_bf16(bf16_as_float(y[i]) + bf16_as_float(w->bias[i % n]));
+    return 1;
+}
+
+/* x: [tokens, hidden] bf16, the residual stream entering layer 0. out: the stream after the
+   last layer (it holds the stream in between), RMSNorm-ed by final_norm unless that is NULL.
+   cos, sin: [tokens, head_dim]. kv_cache: [layers, 2, cache_slots, kv_heads, head_dim]; the
+   decodes' new k, v go to `slots`. Returns 0 when out of memory. */
+int decode_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
+                  const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
+                  const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
+                  const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                  const int64_t *slots, int num_threads) {
+    const int64_t hidden = shape->hidden, dim = shape->head_dim, inter = shape->intermediate;
+    const int64_t q_size = shape->num_heads * dim, kv_size = shape->num_kv_heads * dim;
+    const int64_t qkv_width = q_size + 2 * kv_size, cache_half = cache_slots * kv_size;
+    const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(tokens * hidden));
+    uint16_t *wide = malloc(sizeof(uint16_t) * (size_t)(tokens * widest));  /* qkv, then gate|up */
+    uint16_t *narrow = malloc(sizeof(uint16_t) * (size_t)(tokens * (q_size > inter ? q_size : inter)));
+    uint16_t *delta = malloc(sizeof(uint16_t) * (size_t)(tokens * hidden));  /* o, then down's output */
+    int ok = normed && wide && narrow && delta && num_layers > 0;
+    const uint16_t *stream = x;  /* out, from the first residual add on */
+    for (int64_t i = 0; ok && i < num_layers; i++) {
+        const DecoderLayerWeights *w = layers + i;
+        uint16_t *k_cache = kv_cache + 2 * i * cache_half, *v_cache = k_cache + cache_half;
+        rms_norm_bf16(stream, i ? delta : NULL, i ? out : NULL, normed, w->input_norm, tokens, hidden, shape->eps);
+        ok = linear(&w->qkv, normed, wide, tokens, hidden, qkv_width, num_threads);
+        if (!ok) break;
+        rope_bf16(wide, tokens, qkv_width, shape->num_heads + shape->num_kv_heads, dim, cos, sin);
+        paged_decode_attention(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
+                               context_lens, tokens, shape->num_heads, shape->num_kv_heads, dim, shape->block_size,
+                               shape->scale, 1, num_threads, wide + q_size, qkv_width, wide + q_size + kv_size,
+                               qkv_width, slots);
+        ok = linear(&w->o, narrow, delta, tokens, q_size, hidden, num_threads);
+        if (!ok) break;
+        rms_norm_bf16(stream, delta, out, normed, w->post_attention_norm, tokens, hidden, shape->eps);
+        stream = out;
+        ok = linear(&w->gate_up, normed, wide, tokens, hidden, 2 * inter, num_threads);
+        if (!ok) break;
+        silu_mul_bf16(wide, narrow, tokens, inter);
+        ok = linear(&w->down, narrow, delta, tokens, inter, hidden, num_threads);
+    }
+    if (ok && final_norm) {
+        rms_norm_bf16(out, delta, out, out, final_norm, tokens, hidden, shape->eps);
+    } else if (ok) {
+        for (int64_t i = 0; i < tokens * hidden; i++)
+            out[i] = round_to_bf16(bf16_as_float(out[i]) + bf16_as_float(delta[i]));
+    }
+    free(normed), free(wide), free(narrow), free(delta);
+    return ok;
+}

@@ -1,0 +1,98 @@
+"""A decode-only step's decoder layers as one C call (csrc/decode_layers.c).
+
+At a few tokens an eager layer is ten C kernels separated by Python: module calls, views and
+output tensors, ~1,000 calls per step that together cost more than reading the weights. Where
+every layer would run the C kernels anyway (bf16 on a CPU with AVX-512 VNNI, all linears
+quantized, a decode-only step within the quantized kernels' crossover), this runs the same
+kernels in the same order from one call, so its outputs equal the eager path's exactly.
+Everything else (prefill chunks, fp32, dense weights, tensor parallelism, Qwen3's q/k norms,
+the profiler's attention hook) runs the eager layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from carpool.model import cpu_kernels
+from carpool.model.attention import AttentionMetadata, paged_attention
+from carpool.model.llama import LlamaModel
+from carpool.model.quant import QuantizedLinear
+
+class QuantizedWeight(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class DecoderLayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
+                ("qkv", QuantizedWeight), ("o", QuantizedWeight), ("gate_up", QuantizedWeight),
+                ("down", QuantizedWeight)]
+
+
+class DecoderShape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _weight(linear: QuantizedLinear) -> QuantizedWeight:
+    codes, scale, low = linear.kernel.tensors
+    bias = linear.dense.bias if linear.has_bias else None
+    return QuantizedWeight(codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr(),
+                           None if bias is None else bias.data_ptr())
+
+
+class FusedDecode:
+    """The model's layers as C structs of weight pointers, bound once (the weights never move)."""
+
+    def __init__(self, model: LlamaModel, max_tokens: int):
+        self.model, self.max_tokens = model, max_tokens
+        layers = model.layers
+        self.weights = (DecoderLayerWeights * len(layers))(*(
+            DecoderLayerWeights(layer.input_layernorm.weight.data_ptr(),
+                                layer.post_attention_layernorm.weight.data_ptr(),
+                                _weight(layer.self_attn.qkv_proj), _weight(layer.self_attn.o_proj),
+                                _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj))
+            for layer in layers))
+        attn, config = layers[0].self_attn, model.config
+        self.shape = DecoderShape(config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                  layers[0].mlp.inter, 0, config.rms_norm_eps, attn.scale)
+        self.final_norm = model.norm.weight.data_ptr() if model.is_last else None
+        self._call = cpu_kernels.library().decode_layers
+
+    @classmethod
+    def build(cls, model: LlamaModel, max_tokens: int) -> FusedDecode | None:
+        """The fused path for `model`, or None where its layers need the eager path."""
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        usable = (model.tp.size == 1 and model.num_local_layers > 0 and not model.config.qk_norm
+                  and model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+                  and all(isinstance(m, QuantizedLinear) and m.kernel is not None for m in linears))
+        if not usable:
+            return None
+        max_tokens = min([max_tokens, *(m.max_quantized_tokens for m in linears)])
+        return cls(model, max_tokens) if max_tokens > 0 else None
+
+    def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A decode-only step the eager layers would run on the C kernels alone."""
+        return (meta.num_decodes == x.shape[0] <= self.max_tokens and meta.decode_mask is None
+                and self.model.layers[0].self_attn.attend is paged_attention)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states after the last layer (normed on the last stage), as the eager layers
+        compute them."""
+        x = x.contiguous()
+        assert kv_cache.is_contiguous() and x.dtype == kv_cache.dtype == torch.bfloat16
+        assert cos.is_contiguous() and sin.is_contiguous()
+        out = torch.empty_like(x)
+        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        self.shape.block_size = meta.block_size
+        if not self._call(self.weights, len(self.weights), ctypes.byref(self.shape), x.data_ptr(), out.data_ptr(),
+                          self.final_norm, x.shape[0], cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+                          kv_cache.shape[2], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                          slots.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("fused decode: out of memory for its activations")
+        return out

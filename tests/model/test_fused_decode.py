@@ -1,0 +1,157 @@
+"""The fused decode step (model/fused_decode.py): one C call for all layers of a decode-only
+step equals the eager layers bit for bit (logits and KV cache), and runs only where it applies."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from carpool.bench.synthetic import SyntheticBatches
+from carpool.engine import LLMEngine
+from carpool.model.cpu_kernels import has_quantized_matmul
+from carpool.model.fused_decode import FusedDecode
+from carpool.model.quant import QuantizedLinear
+from tests.conftest import PROMPTS
+from tests.helpers import run_greedy
+from tests.model.test_hf_models import write_checkpoint
+
+pytestmark = pytest.mark.skipif(not has_quantized_matmul(), reason="needs AVX-512 VNNI (the C quantized matmuls)")
+MAX_TOKENS = 8
+
+
+def fuse(engine: LLMEngine) -> FusedDecode:
+    """The fused path up to MAX_TOKENS decodes, whatever crossover start-up measured."""
+    for m in engine.model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.max_quantized_tokens = MAX_TOKENS
+    engine.model.fused_decode = FusedDecode.build(engine.model, MAX_TOKENS)
+    assert engine.model.fused_decode is not None and engine.model.fused_decode.max_tokens == MAX_TOKENS
+    return engine.model.fused_decode
+
+
+@contextlib.contextmanager
+def eager(engine: LLMEngine):
+    saved, engine.model.fused_decode = engine.model.fused_decode, None
+    try:
+        yield
+    finally:
+        engine.model.fused_decode = saved
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def engine(request, model_path):
+    engine = LLMEngine(model=model_path, dtype="bfloat16", quantization=request.param, kv_cache_memory=128 << 20)
+    fuse(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def qwen2_engine(tmp_path_factory, engine_fp32):
+    """A tiny Qwen2 (biases on q, k, v) with 64-wide heads, int8."""
+    folder = tmp_path_factory.mktemp("qwen2")
+    write_checkpoint(folder, engine_fp32.tokenizer, "Qwen2", hidden_size=128, intermediate_size=256,
+                     num_attention_heads=2, num_key_value_heads=1)
+    engine = LLMEngine(model=str(folder), dtype="bfloat16", quantization="int8", kv_cache_memory=16 << 20)
+    assert engine.model_config.attention_bias
+    fuse(engine)
+    return engine
+
+
+def decode_step(engine: LLMEngine, contexts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one decode step over random cached contexts, and the sequences' KV after it
+    (the new tokens' included)."""
+    synthetic = SyntheticBatches(engine)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        grants = [(synthetic.with_cached_context(n, g), 1) for n in contexts]
+        logits = synthetic.run(grants, all_logits=True, advance=False)
+        runner = engine.runner
+        slots = [torch.from_numpy(runner.slots_for(r.block_ids, 0, r.num_computed_tokens + 1)) for r, _ in grants]
+        return logits, runner.kv_cache[:, :, torch.cat(slots)]
+    finally:
+        synthetic.close()
+
+
+class Counting:
+    """The fused path, recording how many tokens each call had."""
+
+    def __init__(self, fused: FusedDecode):
+        self.fused, self.tokens = fused, []
+
+    def runs(self, x, meta) -> bool:
+        return self.fused.runs(x, meta)
+
+    def __call__(self, x, *args):
+        self.tokens.append(x.shape[0])
+        return self.fused(x, *args)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contexts=st.lists(st.integers(1, 300), min_size=1, max_size=MAX_TOKENS), seed=st.integers(0, 1 << 16))
+def test_fused_equals_eager_exactly(engine, contexts, seed):
+    got, got_cache = decode_step(engine, contexts, seed)
+    with eager(engine):
+        want, want_cache = decode_step(engine, contexts, seed)
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache, want_cache)  # the new tokens' k, v written alike
+
+
+def test_fused_equals_eager_with_biases(qwen2_engine):
+    for contexts in ([5], [1, 17, 40, 3]):
+        got, got_cache = decode_step(qwen2_engine, contexts, 1)
+        with eager(qwen2_engine):
+            want, want_cache = decode_step(qwen2_engine, contexts, 1)
+        assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+
+
+def test_a_stage_without_the_final_norm(engine):
+    """A pipeline stage that is not the last returns the residual stream, not normed."""
+    model, fused = engine.model, engine.model.fused_decode
+    stage = FusedDecode(model, MAX_TOKENS)
+    stage.final_norm = None
+    synthetic = SyntheticBatches(engine)
+    try:
+        g = torch.Generator().manual_seed(0)
+        grants = [(synthetic.with_cached_context(n, g), 1) for n in (9, 30)]
+        runner = engine.runner
+        with torch.inference_mode():
+            ids, pos, meta = runner.tensors(runner.plan(synthetic.batch(grants)))
+            x = model.embed_tokens(ids)
+            cos, sin = model.rotary.cos_sin(pos, x.dtype)
+            stream = stage(x.clone(), cos, sin, runner.kv_cache, meta)
+            normed = fused(x, cos, sin, runner.kv_cache, meta)
+        assert not torch.equal(stream, normed)
+        assert torch.equal(model.norm(stream), normed)
+    finally:
+        synthetic.close()
+
+
+def test_engine_greedy_runs_fused_and_matches_eager(engine):
+    fused = engine.model.fused_decode
+    engine.model.fused_decode = counted = Counting(fused)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:MAX_TOKENS]]
+    try:
+        got = run_greedy(engine, prompts, 12)
+    finally:
+        engine.model.fused_decode = fused
+    assert counted.tokens and max(counted.tokens) == MAX_TOKENS
+    assert engine.reset_prefix_cache()
+    with eager(engine):
+        want = run_greedy(engine, prompts, 12)
+    assert got == want
+
+
+def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_path):
+    assert engine_fp32.model.fused_decode is None  # fp32: torch's kernels, the reference arithmetic
+    dense = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
+    assert dense.model.fused_decode is None
+    engine.model.layers[0].mlp.down_proj.max_quantized_tokens = 0  # one shape past its crossover
+    try:
+        assert FusedDecode.build(engine.model, MAX_TOKENS) is None
+    finally:
+        engine.model.layers[0].mlp.down_proj.max_quantized_tokens = MAX_TOKENS
+    assert FusedDecode.build(engine.model, 2).max_tokens == 2  # capped below compiled sizes
