@@ -20,6 +20,7 @@ from carpool.model.attention import AttentionMetadata, paged_attention
 from carpool.model.llama import LlamaModel
 from carpool.model.quant import QuantizedLinear
 
+
 class QuantizedWeight(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p)]
