@@ -86,7 +86,11 @@ def library() -> ctypes.PyDLL | None:
     try:
         # PyDLL, not CDLL: calls keep the GIL. They last microseconds, and a thread that gives
         # up the GIL 120 times a step waits to get it back whenever the HTTP thread holds it.
-        lib = ctypes.PyDLL(str(build()))
+        path = str(build())
+        lib = ctypes.PyDLL(path)
+        # ...except a whole decode step's layers (milliseconds, once a step): that call lets the
+        # GIL go, so the HTTP thread streams the last step's tokens while this one computes.
+        lib.decode_layers = ctypes.CDLL(path).decode_layers
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
         return None

@@ -5,7 +5,8 @@ One thread owns the engine and is the only one that calls `add_request`, `abort_
 the same loop on any other thread measured 1.4-2x slower per step), or a background thread for
 embedding and tests (`start()`). Coroutines on the event loop hand it commands through a locked
 list; before every step the loop drains that list, so adds and aborts land between iterations.
-Each step's outputs go back to the event loop in one `call_soon_threadsafe` per request group.
+Each step's outputs go back to the event loop through a `LoopWaker`, one callback per request
+group.
 
 A `RequestGroup` is the engine requests of one HTTP request (n choices x prompts). Its engine
 requests produce deltas (`output_kind="delta"`), and deltas that its reader has not taken yet
@@ -22,10 +23,14 @@ mean a sticky fault, and, as when `step()` itself raises, the loop dies: every l
 from __future__ import annotations
 
 import asyncio
+import collections
+import ctypes
 import logging
+import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +44,50 @@ from carpool.sampling_params import SamplingParams
 log = logging.getLogger("carpool.server")
 
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+_libc = ctypes.PyDLL(None)  # PyDLL: its calls keep the GIL
+_libc.write.argtypes, _libc.write.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ssize_t
+
+
+class LoopWaker:
+    """Runs callbacks on an event loop, called from the engine thread.
+
+    `call_soon_threadsafe` wakes the loop with a socket send, which lets the GIL go: the loop's
+    thread, just woken, takes it and streams the step's tokens while the engine thread waits
+    to get it back -- its per-token work lands in the middle of every step. Here the wake-up
+    byte is written with the GIL held, so the loop's thread runs when the engine next lets
+    the GIL go: during the step's long C calls (the fused decode layers, torch's kernels)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        """On the loop's own thread."""
+        self._loop = weakref.ref(loop)  # weak: wakers are kept per loop, keyed by the loop
+        self.callbacks: collections.deque = collections.deque()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)  # a full pipe already has a wake-up pending
+        loop.add_reader(self._read_fd, self._run)
+        weakref.finalize(loop, os.close, self._read_fd)
+        weakref.finalize(loop, os.close, self._write_fd)
+
+    def call(self, fn, *args) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return  # nobody is listening any more
+        self.callbacks.append((fn, args))
+        _libc.write(self._write_fd, b"\0", 1)
+
+    def _run(self) -> None:
+        try:
+            os.read(self._read_fd, 1 << 16)  # before taking callbacks: a later write wakes again
+        except BlockingIOError:
+            pass
+        while self.callbacks:
+            fn, args = self.callbacks.popleft()
+            try:
+                fn(*args)
+            except Exception:  # as the loop itself treats a failing callback: log, go on
+                log.exception("callback %r failed", fn)
 
 
 class EngineDeadError(RuntimeError):
@@ -118,9 +167,10 @@ class Delta:
 class RequestGroup:
     """The engine requests behind one HTTP request; iterate it for (index, Delta)."""
 
-    def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop, request_ids: list[str]):
+    def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop, waker: LoopWaker,
+                 request_ids: list[str]):
         self._engine = engine
-        self._loop = loop
+        self._waker = waker
         self.request_ids = request_ids
         self._pending: dict[int, Delta] = {}  # merged deltas not yet taken, by choice index
         self._error: BaseException | None = None
@@ -212,6 +262,7 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self.num_aborted = 0
         self._torch_threads = torch.get_num_threads()
+        self._wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -266,7 +317,10 @@ class AsyncLLMEngine:
         prefix = prefix or uuid.uuid4().hex
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ids = [f"{prefix}-{i}" for i in range(len(entries))]
-        group = RequestGroup(self, loop, ids)
+        waker = self._wakers.get(loop)
+        if waker is None:
+            waker = self._wakers[loop] = LoopWaker(loop)
+        group = RequestGroup(self, loop, waker, ids)
         commands = [_Add(group, i, rid, list(p), sp, arrival) for i, (rid, (p, sp)) in enumerate(zip(ids, entries))]
         with self._cond:
             limit = self.max_waiting_requests
@@ -395,7 +449,4 @@ class AsyncLLMEngine:
 
     @staticmethod
     def _call(group: RequestGroup, fn, *args) -> None:
-        try:
-            group._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # that event loop is closed: nobody is listening any more
-            pass
+        group._waker.call(fn, *args)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from carpool.outputs import CompletionOutput, Logprob, RequestOutput
-from carpool.server.async_engine import AsyncLLMEngine, RequestGroup
+from carpool.server.async_engine import AsyncLLMEngine, LoopWaker, RequestGroup
 
 MODEL_NAME = "smol"
 
@@ -126,7 +126,7 @@ def _output(rid: str, new: list[int], finished: bool = False) -> RequestOutput:
 def test_a_reader_that_stops_reading_holds_merged_deltas_not_a_queue():
     async def main():
         loop = asyncio.get_running_loop()
-        group = RequestGroup(AsyncLLMEngine.__new__(AsyncLLMEngine), loop, ["a", "b"])
+        group = RequestGroup(AsyncLLMEngine.__new__(AsyncLLMEngine), loop, LoopWaker(loop), ["a", "b"])
         for step in range(1000):
             group._deliver([(0, _output("a", [step])), (1, _output("b", [step, step]))])
         # Nothing was read: one merged delta per choice, whatever the number of steps.
