@@ -13,7 +13,7 @@ from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk
-from carpool.model.compiled import COMPILE_MIN_TOKENS, can_compile, compile_model, uncompile_model, warm_up_sizes
+from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_decode import FusedDecode
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
@@ -73,8 +73,8 @@ class ModelRunner:
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
         self.compiled = not enforce_eager and can_compile(model) and self.compile_forward()
-        if self.decode_kernel:  # below the compiled graphs' sizes, where the eager layers would run
-            model.fused_decode = FusedDecode.build(model, COMPILE_MIN_TOKENS - 1 if self.compiled else 1 << 30)
+        if self.decode_kernel:
+            model.fused_decode = FusedDecode.build(model)
 
     def compile_forward(self) -> bool:
         """Compile the model (model/compiled.py) and run one step of each warm-up size, so no

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from carpool.bench.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
+from carpool.model.compiled import COMPILE_MIN_TOKENS
 from carpool.model.cpu_kernels import has_quantized_matmul
 from carpool.model.fused_decode import FusedDecode
 from carpool.model.quant import QuantizedLinear
@@ -24,7 +25,8 @@ MAX_TOKENS = 8
 
 
 def fuse(engine: LLMEngine) -> FusedDecode:
-    """The fused path up to MAX_TOKENS decodes, whatever crossover start-up measured."""
+    """The fused path up to MAX_TOKENS decodes, and the eager layers on the quantized kernels
+    up to there too (whatever crossover start-up measured), so the two compute alike."""
     for m in engine.model.modules():
         if isinstance(m, QuantizedLinear):
             m.max_quantized_tokens = MAX_TOKENS
@@ -149,9 +151,10 @@ def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_pa
     assert engine_fp32.model.fused_decode is None  # fp32: torch's kernels, the reference arithmetic
     dense = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
     assert dense.model.fused_decode is None
-    engine.model.layers[0].mlp.down_proj.max_quantized_tokens = 0  # one shape past its crossover
+    assert FusedDecode.build(engine.model).max_tokens == COMPILE_MIN_TOKENS - 1  # below the compiled sizes
+    down = engine.model.layers[-1].mlp.down_proj
+    kernel, down.kernel = down.kernel, None  # one weight on torch's kernel
     try:
-        assert FusedDecode.build(engine.model, MAX_TOKENS) is None
+        assert FusedDecode.build(engine.model) is None
     finally:
-        engine.model.layers[0].mlp.down_proj.max_quantized_tokens = MAX_TOKENS
-    assert FusedDecode.build(engine.model, 2).max_tokens == 2  # capped below compiled sizes
+        down.kernel = kernel
