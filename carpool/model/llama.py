@@ -9,6 +9,7 @@ each projection (Megatron-style), so parallelism needs no second model class.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 from carpool.config import ModelConfig
 from carpool.model import cpu_kernels
 from carpool.model.attention import AttentionMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from carpool.model.fused_decode import FusedDecode
 
 
 class RMSNorm(nn.Module):
@@ -316,7 +320,7 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
         # All layers of a decode-only step in one C call, where it applies (set by the model
         # runner once the weights are final: model/fused_decode.py).
-        self.fused_decode = None
+        self.fused_decode: FusedDecode | None = None
 
     @property
     def num_local_layers(self) -> int:
