@@ -89,6 +89,9 @@ class ProfiledCostModel:
     decode_attn(batch, context)  batched decode attention, all layers, equal contexts; a real
                               batch is looked up at its longest context, since the CPU kernel
                               pads every row to it (a mean under-predicted mixed batches ~2x)
+    decode_step(batch, context)  a whole decode-only forward, where the runner fuses those
+                              into one call (model/fused_decode.py), equal contexts; such a
+                              step takes it instead of linear + decode_attn, up to its batch
     sample(rows)              LM head + sampling for the rows sampled
     overhead                  per-iteration CPU work outside the model (scheduling, inputs)
     calibration               measured / predicted step time on real engine steps (median)
@@ -108,12 +111,17 @@ class ProfiledCostModel:
     calibration: float = 1.0
     num_stages: int = 1
     source: str = ""
+    decode_step: Grid2 | None = None
 
     def stage_time(self, shape: BatchShape, stage: int) -> float:
-        t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
-        t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)
-        if shape.decode_contexts:
-            t += self.decode_attn(len(shape.decode_contexts), max(shape.decode_contexts))
+        decodes = len(shape.decode_contexts)
+        if not shape.prefills and self.decode_step is not None and 0 < decodes <= self.decode_step.xs[-1]:
+            t = self.decode_step(decodes, max(shape.decode_contexts))
+        else:
+            t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
+            t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)
+            if decodes:
+                t += self.decode_attn(decodes, max(shape.decode_contexts))
         t /= self.num_stages
         if stage == self.num_stages - 1:
             t += (interp1(*self.sample, shape.num_sampled) if shape.num_sampled else 0.0) + self.overhead
@@ -155,7 +163,8 @@ class ProfiledCostModel:
 
         calibration = rows["calibration"][0][2] if "calibration" in rows else 1.0
         return cls(curve("linear"), grid("prefill_attn"), grid("decode_attn"), curve("sample"),
-                   rows["overhead"][0][2], calibration, num_stages, source=str(path))
+                   rows["overhead"][0][2], calibration, num_stages, source=str(path),
+                   decode_step=grid("decode_step") if "decode_step" in rows else None)
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Each part is timed in isolation on exact shapes built with SyntheticBatches:
 linear layers (the model with attention stubbed out), prefill attention and decode attention
-(the real kernel over real block tables, on every layer's cache in turn), LM head plus
-sampling, and the per-iteration work outside the model measured on real engine steps.
+(the real kernel over real block tables, on every layer's cache in turn), whole decode-only
+forwards where the runner fuses them into one call, LM head plus sampling, and the
+per-iteration work outside the model measured on real engine steps.
 """
 
 from __future__ import annotations
@@ -89,10 +90,13 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
                 prof.add("prefill_attn", n, prefix, attention_time([(r, n)]))
                 synth.close()
 
+        fused = model.fused_decode  # decode-only steps run their own path: time it whole
         for ctx in grid["decode_context"]:
             reqs = [synth.with_cached_context(ctx - 1, gen) for _ in range(max(grid["decode_batch"]))]
             for d in grid["decode_batch"]:
                 prof.add("decode_attn", d, ctx, attention_time([(r, 1) for r in reqs[:d]]))
+                if fused is not None and d <= fused.max_tokens:
+                    prof.add("decode_step", d, ctx, median_time(forward([(r, 1) for r in reqs[:d]]), repeats))
             synth.close()
 
         hidden = torch.randn(max(SAMPLE_ROWS), model.config.hidden_size, generator=gen).to(runner.kv_cache.dtype)

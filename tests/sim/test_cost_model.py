@@ -47,6 +47,26 @@ def test_profiled_model_predicts_from_its_tables(tmp_path):
     assert two.stage_time(shape, 0) + two.stage_time(shape, 1) == pytest.approx(expected)
 
 
+def test_decode_only_steps_take_the_whole_step_table(tmp_path):
+    """Where the runner fuses decode-only forwards, the profile times them whole (decode_step);
+    hybrid steps and batches past its largest still add up the parts."""
+    path = tmp_path / "p.csv"
+    write_profile(path)
+    with path.open("a") as f:
+        for d in (1, 8):
+            for c in (16, 2048):
+                f.write(f"decode_step,{d},{c},{0.004 * d + 1e-6 * c}\n")
+    model, parts = ProfiledCostModel.load(path), ProfiledCostModel.load(path)
+    parts.decode_step = None
+    assert model.decode_step is not None
+    decodes = BatchShape(decode_contexts=(100, 300), num_sampled=2)
+    assert model.stage_time(decodes, 0) == pytest.approx(0.008 + 300e-6 + 2e-3 + 0.002)
+    assert model.stage_time(decodes, 0) != pytest.approx(parts.stage_time(decodes, 0))
+    for shape in (BatchShape(prefills=((16, 0),), decode_contexts=(100,), num_sampled=2),
+                  BatchShape(decode_contexts=(100,) * 9, num_sampled=9)):  # hybrid; 9 > the table's 8
+        assert model.stage_time(shape, 0) == pytest.approx(parts.stage_time(shape, 0))
+
+
 @pytest.mark.parametrize("content, message", [
     ("op,x,y,seconds\nlinear,1,0,0.1\n", "no rows for"),
     ("a,b\n1,2\n", "expected columns"),

@@ -41,6 +41,7 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
     with profile.open() as f:
         ops = {row["op"] for row in csv.DictReader(f)}
     assert {"linear", "prefill_attn", "decode_attn", "sample", "overhead", "calibration"} <= ops
+    assert "decode_step" not in ops  # fp32: no fused decode path to time
     model = ProfiledCostModel.load(profile)
     assert math.isfinite(model.calibration) and model.calibration > 0
     small = model.stage_time(BatchShape(decode_contexts=(100,), num_sampled=1), 0)
