@@ -25,7 +25,9 @@ import torch
 
 log = logging.getLogger("carpool")
 
-SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))  # in the cache key; found with -I, not compiled
 # -ffast-math lets gcc vectorise expf and reassociate the dot products. It is given when
 # compiling only: linked with it, gcc would add crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch included).
@@ -60,7 +62,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), cc, *COMPILE_FLAGS, *LINK_FLAGS,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), cc, *COMPILE_FLAGS, *LINK_FLAGS,
                                      _cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -69,7 +71,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
         lib = Path(tmp) / "kernels.so"
-        commands = [[cc, *COMPILE_FLAGS, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects)]
+        commands = [[cc, *COMPILE_FLAGS, f"-I{CSRC}", "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects)]
         for cmd in [*commands, [cc, *map(str, objects), *LINK_FLAGS, "-o", str(lib)]]:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:

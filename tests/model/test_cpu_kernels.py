@@ -106,6 +106,10 @@ def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
     source = tmp_path / "other.c"
     source.write_text(cpu_kernels.SOURCES[0].read_text() + "\n/* changed */\n")
     assert cpu_kernels.build((source, *cpu_kernels.SOURCES[1:])) != first
+    header = tmp_path / "kernels.h"
+    header.write_text(cpu_kernels.HEADERS[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernels, "HEADERS", (header,))
+    assert cpu_kernels.build() != first  # a header is part of the key too
 
 
 def test_the_cache_key_names_the_cpu_and_its_flags():

@@ -15,18 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "kernels.h"
 
 /* A row of the cache as fp32: bf16 is widened into `buf`, fp32 is read in place. */
 static inline const float *as_float(const char *src, int is_bf16, int64_t n, float *buf) {

@@ -10,20 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
-                     int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
-void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                            void *k_cache, void *v_cache, const int64_t *block_tables,
-                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int is_bf16, int num_threads,
-                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                            const int64_t *slots);
-void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, uint16_t *out,
-                   const uint16_t *weight, int64_t rows, int64_t dim, float eps);
-void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
-               const uint16_t *cos, const uint16_t *sin);
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+#include "kernels.h"
 
 /* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */
 typedef struct {
@@ -41,22 +28,12 @@ typedef struct {
     float eps, scale;
 } DecoderShape;
 
-static inline float bf16_as_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
-
-static inline uint16_t round_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { float f; uint32_t u; } v = {.f = f};
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`). */
 static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int64_t tokens, int64_t k, int64_t n,
                   int num_threads) {
     if (!quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads)) return 0;
     if (w->bias)
-        for (int64_t i = 0; i < tokens * n; i++) y[i] = round_to_bf16(bf16_as_float(y[i]) + bf16_as_float(w->bias[i % n]));
+        for (int64_t i = 0; i < tokens * n; i++) y[i] = float_to_bf16(bf16_to_float(y[i]) + bf16_to_float(w->bias[i % n]));
     return 1;
 }
 
@@ -103,7 +80,7 @@ int decode_layers(const DecoderLayerWeights *layers, int64_t num_layers, const D
         rms_norm_bf16(out, delta, out, out, final_norm, tokens, hidden, shape->eps);
     } else if (ok) {
         for (int64_t i = 0; i < tokens * hidden; i++)
-            out[i] = round_to_bf16(bf16_as_float(out[i]) + bf16_as_float(delta[i]));
+            out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(delta[i]));
     }
     free(normed), free(wide), free(narrow), free(delta);
     return ok;

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
 #include <immintrin.h>
