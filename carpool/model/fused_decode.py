@@ -8,8 +8,9 @@ layers' with the quantized kernels exactly.
 
 It runs up to COMPILE_MIN_TOKENS - 1 decodes, past the quantized matmuls' own crossover (8-16
 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused step beat the
-eager one at every batch size up to 31 (context 512: 4.3 vs 9.0 ms at 1 decode, 16.7 vs 21.9 at
-8, 31.6 vs 41.4 at 16, 54.9 vs 62.1 at 31; Intel Xeon with AMX, 2 threads, 2026-12-01).
+eager one at every batch size up to 31 (context 512: 3.8 vs 8.3 ms at 1 decode, 15.6 vs 20.3 at
+8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31; Intel Xeon with AMX, 2 threads, 2026-12-01;
+`python -m carpool.bench.decode_sweep`).
 Everything else (prefill chunks, fp32, dense weights, tensor parallelism, Qwen3's q/k norms,
 the profiler's attention hook) runs the eager layers.
 """
