@@ -1,7 +1,7 @@
 """`carpool bench quant`: weight-only int8 / int4 kernels against oneDNN bf16 on this CPU.
 
 For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head) and token count,
-times carpool's C kernels (AVX-512 VNNI, csrc/quant_gemv.c) and torch's `_weight_int8pack_mm` and
+times carpool's C kernels (AVX-512 VNNI and AMX, csrc/quant_gemv.c) and torch's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` against bf16 `F.linear` and the oneDNN-packed `PackedLinear` the
 engine uses. Each shape has one weight per layer, called in
 turn, so weights come from memory as in a forward pass rather than from a hot cache; kernels are
@@ -12,6 +12,7 @@ of the same rounds), with the per-shape crossovers each engine measured for itse
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -22,10 +23,14 @@ from torch import nn
 from carpool.bench.hostload import OtherCpu
 from carpool.bench.hybrid import carpool_single_stream
 from carpool.config import EngineConfig, ModelConfig
+from carpool.model import cpu_kernels
 from carpool.model.llama import PackedLinear, can_pack_linears
 from carpool.model.quant import QuantizedLinear
 
-KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C")
+# "C": the kernel the engine calls (VNNI, or AMX from AMX_FROM_TOKENS up where the CPU has it);
+# "VNNI" / "AMX": one of the two at every token count (same outputs), to show the crossover.
+KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C", "int4 C VNNI",
+           "int4 C AMX")
 QUANTIZED = KERNELS[2:]
 
 
@@ -50,6 +55,9 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
             with_c = QuantizedLinear(linear, mode, dtype).to(dtype)
             if with_c.kernel is not None:
                 kernels[f"{mode} C"].append(with_c.quantized)
+            if with_c.kernel is not None and mode == "int4" and cpu_kernels.has_amx():
+                kernels["int4 C VNNI"].append(functools.partial(with_c.kernel, amx_from=0))
+                kernels["int4 C AMX"].append(functools.partial(with_c.kernel, amx_from=1))
         dense = linear.to(dtype).requires_grad_(False)
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):

@@ -103,11 +103,14 @@ def library() -> ctypes.PyDLL | None:
         "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
         "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
         "quantized_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "quantized_matmul_using": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _i64],
         "quant_gemv_supported": [],
+        "quant_amx_supported": [],
         "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
                           ctypes.c_int],
     }
-    returns = {"quantized_matmul": ctypes.c_int, "quant_gemv_supported": ctypes.c_int, "decode_layers": ctypes.c_int}
+    returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
+                                               "quant_amx_supported", "decode_layers")}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = returns.get(name), argtypes
@@ -188,6 +191,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 
+def has_amx() -> bool:
+    """Whether the quantized products can run on AMX tiles here (and Linux granted them)."""
+    lib = library()
+    return lib is not None and bool(lib.quant_amx_supported())
+
+
 def has_quantized_matmul() -> bool:
     """Whether the int4/int8 VNNI products run here (AVX-512 VNNI, the library built)."""
     lib = library()
@@ -205,15 +214,18 @@ class QuantizedMatmul:
         assert codes.is_contiguous() and scale.is_contiguous()
         assert low is None or (low.dtype == torch.float16 and low.is_contiguous())
         self.n, self.tensors = n, (codes, scale, low)  # the tensors keep the bound pointers valid
-        self._matmul = functools.partial(library().quantized_matmul, codes.data_ptr(), scale.data_ptr(),
-                                         None if low is None else low.data_ptr())
+        pointers = (codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr())
+        self._matmul = functools.partial(library().quantized_matmul, *pointers)
+        self._matmul_using = functools.partial(library().quantized_matmul_using, *pointers)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, k], fp32 or bf16."""
+    def __call__(self, x: torch.Tensor, amx_from: int | None = None) -> torch.Tensor:
+        """x: [tokens, k], fp32 or bf16. amx_from: run the AMX kernel from this many tokens up
+        (0: never; None: the library's default), where the CPU has AMX; the outputs are the same."""
         x = x.contiguous()
         assert x.dtype is torch.bfloat16 or x.dtype is torch.float32
         out = x.new_empty((x.shape[0], self.n))
-        if not self._matmul(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.n, x.dtype is torch.bfloat16,
-                            torch.get_num_threads()):
+        args = (x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.n, x.dtype is torch.bfloat16,
+                torch.get_num_threads())
+        if not (self._matmul(*args) if amx_from is None else self._matmul_using(*args, amx_from)):
             raise MemoryError("quantized matmul: no memory for the quantized activations")
         return out

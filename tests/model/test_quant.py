@@ -100,6 +100,21 @@ def test_c_kernel_equals_its_arithmetic_at_any_shape(mode, n, groups, tokens, bf
     torch.testing.assert_close(q.kernel(x).double(), ref.to(dtype).double(), rtol=ulp, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(mode=st.sampled_from(["int8", "int4"]), n=st.integers(1, 70), groups=st.integers(1, 19),
+       tokens=st.integers(1, 40), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_amx_kernel_equals_vnni_kernel_bit_for_bit(mode, n, groups, tokens, bf16, seed):
+    """Runs of 16, 8, 4, 2 and 1 tokens, chunks of 8 groups and their remainders, pairs of groups
+    and an odd one out: the AMX kernel's integer sums and fp32 steps are the VNNI kernel's."""
+    if not cpu_kernels.has_amx():
+        pytest.skip("no AMX here (or Linux did not grant the tiles)")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q = QuantizedLinear(linear(n, 32 * groups, seed=seed), mode, torch.bfloat16).to(torch.bfloat16)
+    x = torch.randn(tokens, 32 * groups, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[0, :32] = 0  # an all-zero group: scale 0
+    assert torch.equal(q.kernel(x, amx_from=1), q.kernel(x, amx_from=0))
+
+
 def test_constant_and_zero_rows_survive():
     w = torch.zeros(16, 64)
     w[1] = 0.25  # constant row: every group has zero range

@@ -49,6 +49,10 @@ int quant_gemv_supported(void) {
 #define GROUP 32
 #define ROWS 16 /* output rows per block: one zmm lane each */
 #define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
+#define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
+#ifndef AMX_FROM_TOKENS
+#define AMX_FROM_TOKENS TILE_TOKENS  /* measured: `carpool bench quant`, BENCHMARKS.md "AMX tiles" */
+#endif
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
 #endif
@@ -172,8 +176,8 @@ static inline __attribute__((always_inline)) void int8_block(
     }
 }
 
-#define FOR_EACH_TILE(BLOCK)                                                              \
-    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {                                       \
+#define FOR_EACH_TILE(BLOCK, from)                                                        \
+    for (int64_t t0 = from; t0 < tokens; t0 += TILE) {                                    \
         __m512 acc[TILE];                                                                 \
         const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;                       \
         if (tn == 4) BLOCK(4);                                                            \
@@ -185,27 +189,212 @@ static inline __attribute__((always_inline)) void int8_block(
 
 #endif
 
+#if defined(HAVE_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX 1
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX: the same integer products, 16 tokens x 16 rows x 32 channels per instruction.
+   A tile holds 16 tokens' codes of one group (the activations' own rows, k bytes apart); B holds
+   one block's group in the layout above, which is AMX's (a row per channel quad, a row's 64
+   bytes the 16 output rows' 4 channels), so int8 weights load in place and int4's are only split
+   into bytes. Each group's int32 sums then go through the same fp32 arithmetic as the VNNI
+   kernel, in the same order: the two kernels' outputs are equal bit for bit. The sums leave the
+   tile unit once per group, since every group has its own scales; that fp32 pass and the tile
+   stores, not the products, are most of the time: 0.6-0.8x the VNNI kernel's time from 16 tokens
+   (1.0x at 8, slower below: the tiles' fixed cost), so it runs from AMX_FROM_TOKENS up. Past
+   ~32 tokens oneDNN's bf16 GEMM on the dense copy beats both (model/quant.py chooses).
+   Widening a block's codes to bf16 for AMX's bf16 unit instead (no per-group step) was tried:
+   the widening alone cost about what the dense copy's bf16 weights cost to stream from memory,
+   and it lost to the dense GEMM at every token count (Intel Xeon with AMX, 2 threads, 2026-12-01). */
+
+/* Linux gives the 8 KB of tile state only to a process that asks (once; then every thread). */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Two sets of tiles (sums, activations, weights), for two groups in flight. */
+static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int set = 0; set < 2; set++) {
+        cfg.rows[set] = TILE_TOKENS, cfg.colsb[set] = ROWS * 4;          /* int32 sums [token][row] */
+        cfg.rows[2 + set] = TILE_TOKENS, cfg.colsb[2 + set] = GROUP;     /* int8 codes [token][channel] */
+        cfg.rows[4 + set] = GROUP / 4, cfg.colsb[4 + set] = ROWS * 4;    /* weight bytes [quad][row, 4] */
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* An int4 block's codes as bytes, groups of 8 quads x 64 bytes (the int8 layout, less the 128). */
+static void unpack_int4(const uint8_t *codes, uint8_t *bytes, int64_t groups) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++)
+        for (int j = 0; j < 4; j++) {
+            const __m512i p = _mm512_loadu_si512(codes + g * 256 + j * 64);
+            _mm512_store_si512(bytes + g * 512 + j * 64, _mm512_and_si512(p, nibble));
+            _mm512_store_si512(bytes + g * 512 + (j + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble));
+        }
+}
+
+#define CHUNK_GROUPS 8  /* groups whose sums are stored at once: 8 KB, in L1 with the weights */
+
+/* The int32 sums of 16 tokens from q with groups g0..g0+count-1 of a block: sums[g - g0] =
+   [16 tokens][16 rows]. Two groups in flight, each in its own tiles. */
+static inline void tile_sums(const int8_t *q, int64_t k, const uint8_t *w, int64_t g0, int64_t count, int32_t *sums) {
+    int64_t g = 0;
+    for (; g + 2 <= count; g += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, q + (g0 + g) * GROUP, k);
+        _tile_loadd(4, w + (g0 + g) * 512, 64);
+        _tile_loadd(3, q + (g0 + g + 1) * GROUP, k);
+        _tile_loadd(5, w + (g0 + g + 1) * 512, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+        _tile_stored(0, sums + g * 256, 64);
+        _tile_stored(1, sums + (g + 1) * 256, 64);
+    }
+    if (g < count) {
+        _tile_zero(0);
+        _tile_loadd(2, q + (g0 + g) * GROUP, k);
+        _tile_loadd(4, w + (g0 + g) * 512, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_stored(0, sums + g * 256, 64);
+    }
+}
+
+/* Tokens t..t+15 against block b (w: its codes as bytes; s, z: its scales and zeros in fp32),
+   through the VNNI kernel's fp32 steps, into out: 16 independent chains of FMAs, where one token
+   at a time would wait on each FMA's latency. */
+static inline __attribute__((always_inline)) void amx_tile(
+        const uint8_t *w, const float *s, const float *z, const Activations *a, const int32_t *start, int64_t k,
+        int64_t t, int32_t *sums, void *out, int64_t n, int64_t b, int is_bf16, const int int4) {
+    const int c = TILE_TOKENS;
+    __m512 acc[TILE_TOKENS];
+    for (int i = 0; i < c; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < a->groups; g0 += CHUNK_GROUPS) {
+        const int64_t count = a->groups - g0 < CHUNK_GROUPS ? a->groups - g0 : CHUNK_GROUPS;
+        tile_sums(a->q + t * k, k, w, g0, count, sums);
+        for (int64_t g = g0; g < g0 + count; g++) {
+            const __m512 sg = _mm512_loadu_ps(s + g * ROWS), zg = int4 ? _mm512_loadu_ps(z + g * ROWS) : sg;
+            for (int i = 0; i < c; i++) {
+                const int64_t v = (t + i) * a->groups + g;
+                const __m512i dot = _mm512_add_epi32(_mm512_set1_epi32(start[v]),
+                                                     _mm512_load_si512(sums + (g - g0) * 256 + i * ROWS));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sg, _mm512_set1_ps(a->scale[v])),
+                                         acc[i]);
+                if (int4) acc[i] = _mm512_fmadd_ps(zg, _mm512_set1_ps(a->sum[v]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < c; i++) store16(out, (t + i) * n + b * ROWS, acc[i], n - b * ROWS, is_bf16);
+}
+
+static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
+                      void *out, int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+    const int64_t groups = a->groups, blocks = (n + ROWS - 1) / ROWS;
+    const int32_t offset = min ? 8 : 128;  /* the codes' offset, taken back out as in the VNNI kernel */
+    /* Per thread: a chunk of sums, a block's unpacked int4 codes, its scales in fp32. */
+    const size_t per_thread = CHUNK_GROUPS * 1024 + (size_t)groups * (512 + 2 * ROWS * sizeof(float));
+    char *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
+    int32_t *start = malloc(sizeof(int32_t) * (size_t)(tokens * groups));  /* each sum's first value */
+    if (!scratch || !start) {
+        free(scratch), free(start);
+        return 0;
+    }
+    for (int64_t v = 0; v < tokens * groups; v++) start[v] = -offset * a->qsum[v];
+#pragma omp parallel num_threads(num_threads)
+    {
+        char *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+        int32_t *sums = (int32_t *)mine;
+        uint8_t *unpacked = (uint8_t *)mine + CHUNK_GROUPS * 1024;
+        float *s = (float *)(unpacked + groups * 512), *z = s + groups * ROWS;
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t first = b * groups * ROWS;  /* the block's first (row, group) */
+            const uint8_t *w = codes + first * GROUP;
+            if (min) {
+                unpack_int4(codes + first * GROUP / 2, unpacked, groups);
+                w = unpacked;
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 sg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + first + g * ROWS)));
+                _mm512_storeu_ps(s + g * ROWS, sg);
+                if (min) _mm512_storeu_ps(z + g * ROWS, _mm512_fmadd_ps(_mm512_set1_ps(8.f), sg, _mm512_cvtph_ps(
+                                              _mm256_loadu_si256((const __m256i *)(min + first + g * ROWS)))));
+            }
+            int64_t t = 0;
+            for (; t + TILE_TOKENS <= tokens; t += TILE_TOKENS)
+                min ? amx_tile(w, s, z, a, start, k, t, sums, out, n, b, is_bf16, 1)
+                    : amx_tile(w, s, z, a, start, k, t, sums, out, n, b, is_bf16, 0);
+            /* The last < 16 tokens: the VNNI kernel, while the block is in cache (a part-used tile
+               costs as much as a whole one). */
+#define BLOCK(tn) (min ? int4_block(codes + first * GROUP / 2, scale + first, min + first, a, k, t0, tn, acc) \
+                       : int8_block(codes + first * GROUP, scale + first, a, k, t0, tn, acc))
+            FOR_EACH_TILE(BLOCK, t)
+#undef BLOCK
+        }
+        _tile_release();
+    }
+    free(scratch), free(start);
+    return 1;
+}
+
+#endif
+
+int quant_amx_supported(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 /* out[tokens, n] = x[tokens, k] @ W.T for a W packed as above: int4 given `min`, int8 when
    min is NULL (n is padded to blocks of 16 in the weights, not in out). x and out are fp32 or
-   bf16 (is_bf16), rows dense. Returns 0 when out of memory. */
-int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
-                     int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+   bf16 (is_bf16), rows dense. From `amx_from` tokens up (0: never) the AMX kernel runs where the
+   CPU has it; both give the same outputs. Returns 0 when out of memory. */
+int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                           int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, int64_t amx_from) {
 #ifdef HAVE_VNNI
     Activations a;
     if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
+#ifdef HAVE_AMX
+    if (amx_from > 0 && tokens >= amx_from && amx_permitted()) {
+        const int ok = amx_matmul(codes, scale, min, &a, out, tokens, k, n, is_bf16, num_threads);
+        free(a.scale);
+        return ok;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
         const int64_t first = b * a.groups * ROWS;  /* the block's first (row, group) */
 #define BLOCK(tn) (min ? int4_block(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, acc) \
                        : int8_block(codes + first * GROUP, scale + first, &a, k, t0, tn, acc))
-        FOR_EACH_TILE(BLOCK)
+        FOR_EACH_TILE(BLOCK, 0)
 #undef BLOCK
     }
     free(a.scale);
     return 1;
 #else
     (void)x, (void)codes, (void)scale, (void)min, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16;
-    (void)num_threads;
+    (void)num_threads, (void)amx_from;
     return 0;
 #endif
+}
+
+int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                     int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+    return quantized_matmul_using(codes, scale, min, x, out, tokens, k, n, is_bf16, num_threads, AMX_FROM_TOKENS);
 }
