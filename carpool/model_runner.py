@@ -12,7 +12,7 @@ import torch
 from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
-from carpool.model.attention import AttentionMetadata, PrefillChunk
+from carpool.model.attention import AttentionMetadata, PrefillChunk, query_runs
 from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_decode import FusedDecode
@@ -31,7 +31,7 @@ class StepPlan:
     slot_mapping: np.ndarray  # [tokens] int64: KV slot each token writes
     decode_tables: list[list[int]]  # block table of each decode (decodes come first)
     decode_lens: list[int]  # context length of each decode, its new token included
-    prefills: list[tuple[int, int, int, list[int] | None]]  # (row, end row, cached tokens, table or None)
+    prefills: list[tuple[int, int, int, list[int]]]  # (row, end row, cached tokens, block table)
     sample_rows: list[int]  # rows whose logits are sampled
     fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
     prompt_logprob_rows: list[int] = field(default_factory=list)  # rows scoring prompt tokens
@@ -138,8 +138,6 @@ class ModelRunner:
             if req.is_decode:
                 decode_tables.append(req.block_ids[:blocks_for(ctx, bs)])
                 decode_lens.append(ctx)
-            elif start == 0:
-                prefills.append((row, row + n, 0, None))
             else:
                 prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
             if ctx == req.num_tokens:
@@ -160,7 +158,7 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         prefills: list[PrefillChunk] = []
         for row, end, start, table in plan.prefills:
-            if table is None:
+            if start == 0:  # nothing cached: causal attention over the chunk alone
                 prefills.append(PrefillChunk(row, end, None, None))
             else:
                 mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
@@ -181,6 +179,9 @@ class ModelRunner:
             decode_mask=mask,
             prefills=prefills,
         )
+        fused = self.model.fused_decode
+        if plan.prefills and fused is not None and plan.num_tokens <= fused.max_tokens:
+            meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.from_numpy(plan.positions).to(dev)
         return input_ids, pos, meta

@@ -116,14 +116,13 @@ def unragged(flat: np.ndarray, lens: np.ndarray, what: str) -> list[list[int]]:
 def flatten_plan(msg: RunPlan) -> tuple[dict, Arrays]:
     p = msg.plan
     decode_tables, decode_table_lens = ragged(p.decode_tables)
-    tables = [t for _, _, _, t in p.prefills if t is not None]
-    prefill_tables, _ = ragged(tables)
+    prefill_tables, prefill_table_lens = ragged([t for _, _, _, t in p.prefills])
     fresh_tails, fresh_tail_lens = ragged(p.fresh_tails)
     return {"micro_batch": msg.micro_batch}, {
         "input_ids": ints(p.input_ids), "positions": ints(p.positions), "slot_mapping": ints(p.slot_mapping),
         "decode_tables": decode_tables, "decode_table_lens": decode_table_lens, "decode_lens": ints(p.decode_lens),
         "prefills": ints([x for row, end, cached, _ in p.prefills for x in (row, end, cached)]).reshape(-1, 3),
-        "prefill_table_lens": ints([-1 if t is None else len(t) for _, _, _, t in p.prefills]),
+        "prefill_table_lens": prefill_table_lens,
         "prefill_tables": prefill_tables, "sample_rows": ints(p.sample_rows),
         "fresh_tails": fresh_tails, "fresh_tail_lens": fresh_tail_lens,
         "prompt_logprob_rows": ints(p.prompt_logprob_rows),
@@ -137,12 +136,10 @@ def build_plan(fields: dict, a: Arrays) -> RunPlan:
     decode_tables = unragged(a["decode_tables"], a["decode_table_lens"], "RunPlan.decode_tables")
     if len(a["decode_lens"]) != len(decode_tables):
         raise ProtocolError("RunPlan: decode_lens and decode_tables differ in length")
-    has_table = a["prefill_table_lens"] >= 0
-    if len(a["prefills"]) != len(has_table):
+    tables = unragged(a["prefill_tables"], a["prefill_table_lens"], "RunPlan.prefill_tables")
+    if len(a["prefills"]) != len(tables):
         raise ProtocolError("RunPlan: prefills and prefill_table_lens differ in length")
-    tables = iter(unragged(a["prefill_tables"], a["prefill_table_lens"][has_table], "RunPlan.prefill_tables"))
-    prefills = [(row, end, cached, next(tables) if has else None)
-                for (row, end, cached), has in zip(a["prefills"].tolist(), has_table.tolist())]
+    prefills = [(row, end, cached, table) for (row, end, cached), table in zip(a["prefills"].tolist(), tables)]
     fresh_tails = [np.asarray(x, dtype=np.int64) for x in
                    unragged(a["fresh_tails"], a["fresh_tail_lens"], "RunPlan.fresh_tails")]
     plan = StepPlan(a["input_ids"].tolist(), a["positions"], a["slot_mapping"], decode_tables,

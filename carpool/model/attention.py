@@ -35,6 +35,36 @@ class PrefillChunk:
 
 
 @dataclass
+class QueryRuns:
+    """A step's tokens as runs of consecutive queries of one sequence, each over its sequence's
+    context (csrc/cpu_kernels.c `paged_attention_runs`): a decode is a run of one; a prefill
+    chunk is split into runs of up to RUN_TOKENS, so its queries spread over the threads."""
+
+    block_tables: torch.Tensor  # [runs, max_blocks] int64, padded with a zeroed block
+    context_lens: torch.Tensor  # [runs] int64: tokens the run's last query sees, itself included
+    query_starts: torch.Tensor  # [runs + 1] int64: run r is tokens query_starts[r]..query_starts[r + 1] - 1
+
+
+RUN_TOKENS = 8
+
+
+def query_runs(decode_tables: list[list[int]], decode_lens: list[int],
+               prefills: list[tuple[int, int, int, list[int]]], pad_block: int, device: torch.device) -> QueryRuns:
+    """QueryRuns of a step laid out decodes first, then chunks (row, end row, cached tokens, table)."""
+    tables, lens, starts = list(decode_tables), list(decode_lens), list(range(len(decode_tables)))
+    for row, end, cached, table in prefills:
+        for first in range(row, end, RUN_TOKENS):
+            tables.append(table)
+            lens.append(cached + min(end, first + RUN_TOKENS) - row)
+            starts.append(first)
+    starts.append(prefills[-1][1] if prefills else len(decode_tables))
+    width = max(len(t) for t in tables)
+    padded = [t + [pad_block] * (width - len(t)) for t in tables]
+    return QueryRuns(torch.tensor(padded, device=device), torch.tensor(lens, device=device),
+                     torch.tensor(starts, device=device))
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
     block_size: int
@@ -45,6 +75,9 @@ class AttentionMetadata:
     # the C kernel (model/cpu_kernels.py) reads the blocks in place instead.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    # The whole step as query runs, for the fused layers (model/fused_decode.py); None where the
+    # runner did not build them (decode-only steps need none, nor steps the fused path skips).
+    runs: QueryRuns | None = None
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -106,8 +106,10 @@ def library() -> ctypes.PyDLL | None:
         "quantized_matmul_using": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _i64],
         "quant_gemv_supported": [],
         "quant_amx_supported": [],
-        "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
-                          ctypes.c_int],
+        "paged_attention_runs": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                 _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
+        "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                          _ptr, ctypes.c_int],
     }
     returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
                                                "quant_amx_supported", "decode_layers")}
@@ -146,6 +148,24 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
         cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), *new)
+    return out
+
+
+def paged_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
+                         slots: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """Runs of queries (attention.QueryRuns) over their cached contexts, causally; the tokens'
+    k, v [T, kv_heads, D] are written to `slots` first. q: [T, heads, D] -> out [T, heads, D]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    assert q.dtype == k.dtype == v.dtype == cache.dtype and cache[0].is_contiguous()
+    for t in (block_tables, context_lens, query_starts, slots):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+    out = torch.empty_like(q)
+    library().paged_attention_runs(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
+        len(context_lens), q.shape[1], cache.shape[2], q.shape[2], block_size, scale, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
     return out
 
 

@@ -83,8 +83,10 @@ class FusedDecode:
         return cls(model, max_tokens) if usable and max_tokens > 0 else None
 
     def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode-only step of at most max_tokens, attended by the C kernel."""
-        return (meta.num_decodes == x.shape[0] <= self.max_tokens and meta.decode_mask is None
+        """A step of at most max_tokens, attended by the C kernel: decodes only, or with prefill
+        chunks laid out as query runs (the runner builds them for steps this small)."""
+        return (x.shape[0] <= self.max_tokens and meta.decode_mask is None
+                and (meta.num_decodes == x.shape[0] or meta.runs is not None)
                 and self._attention.attend is paged_attention)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -95,11 +97,15 @@ class FusedDecode:
         assert kv_cache.is_contiguous() and x.dtype == kv_cache.dtype == torch.bfloat16
         assert cos.is_contiguous() and sin.is_contiguous()
         out = torch.empty_like(x)
-        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        if meta.runs is None:  # decodes only: a run per token
+            tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
+        else:
+            tables, lens, starts = meta.runs.block_tables, meta.runs.context_lens, meta.runs.query_starts
         self.shape.block_size = meta.block_size
         if not self._call(self.weights, len(self.weights), ctypes.byref(self.shape), x.data_ptr(), out.data_ptr(),
                           self.final_norm, x.shape[0], cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
                           kv_cache.shape[2], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                          slots.data_ptr(), torch.get_num_threads()):
+                          None if starts is None else starts.data_ptr(), len(lens), meta.slot_mapping.data_ptr(),
+                          torch.get_num_threads()):
             raise MemoryError("fused decode: out of memory for its activations")
         return out

@@ -58,6 +58,41 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
         torch.testing.assert_close(got[row:row + 1].float(), want, rtol=tol, atol=tol)
 
 
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=4),
+       block=st.sampled_from([1, 5, 16]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),
+       run=st.sampled_from([1, 3, 8]), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_paged_attention_runs_is_causal_over_each_context(seqs, block, kv_heads, group, run, bf16, seed):
+    """Sequences of (cached tokens, new tokens), their new tokens split into runs of `run`
+    queries; each run's k, v written to its slots first, every query seeing its own prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, dim = (torch.bfloat16 if bf16 else torch.float32), 64
+    used = [-(-(c + n) // block) for c, n in seqs]
+    cache = torch.randn(2, (sum(used) + 1) * block, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(sum(used) + 1, generator=gen).tolist()
+    tables = [perm[sum(used[:i]):sum(used[:i + 1])] for i in range(len(seqs))]
+    slots_of = [(torch.tensor(t)[:, None] * block + torch.arange(block)).reshape(-1) for t in tables]
+    width, runs, lens, starts, slots = max(used), [], [], [], []
+    for (cached, new), table, seq_slots in zip(seqs, tables, slots_of):
+        for first in range(0, new, run):
+            runs.append(table + [0] * (width - len(table)))
+            lens.append(cached + min(new, first + run))
+            starts.append(sum(len(x) for x in slots) + first)
+        slots.append(seq_slots[cached:cached + new])
+    tokens = sum(new for _, new in seqs)
+    starts.append(tokens)
+    q = torch.randn(tokens, kv_heads * group, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    got = cpu_kernels.paged_attention_runs(q, k, v, cache, torch.tensor(runs), torch.tensor(lens),
+                                           torch.tensor(starts), torch.cat(slots), 0.3, block)
+    row, tol = 0, (2e-2 if bf16 else 1e-5)
+    for (cached, new), seq_slots in zip(seqs, slots_of):
+        assert torch.equal(cache[0, seq_slots[cached:cached + new]], k[row:row + new])
+        want = naive(q[row:row + new].float(), cache[0, seq_slots].float(), cache[1, seq_slots].float(), cached, 0.3)
+        torch.testing.assert_close(got[row:row + new].float(), want, rtol=tol, atol=tol)
+        row += new
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_rms_norm_matches_torch(rows):
     gen = torch.Generator().manual_seed(rows)

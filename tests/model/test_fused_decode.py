@@ -1,5 +1,6 @@
-"""The fused decode step (model/fused_decode.py): one C call for all layers of a decode-only
-step equals the eager layers bit for bit (logits and KV cache), and runs only where it applies."""
+"""The fused step (model/fused_decode.py): one C call for all layers of a decode-only step
+equals the eager layers bit for bit (logits and KV cache); a step with prefill chunks equals its
+tokens one at a time; and it runs only where it applies."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class Counting:
     """The fused path, recording how many tokens each call had."""
 
     def __init__(self, fused: FusedDecode):
-        self.fused, self.tokens = fused, []
+        self.fused, self.tokens, self.max_tokens = fused, [], fused.max_tokens
 
     def runs(self, x, meta) -> bool:
         return self.fused.runs(x, meta)
@@ -108,6 +109,62 @@ def test_fused_equals_eager_with_biases(qwen2_engine):
         with eager(qwen2_engine):
             want, want_cache = decode_step(qwen2_engine, contexts, 1)
         assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+
+
+def chunk_request(synthetic: SyntheticBatches, cached: int, new: int, g: torch.Generator):
+    """A prompt with `cached` tokens' (random) KV in the cache and `new` tokens still to prefill."""
+    vocab = synthetic.engine.model_config.vocab_size
+    if cached == 0:
+        return synthetic.new(torch.randint(vocab, (new,), generator=g).tolist())
+    r = synthetic.with_cached_context(cached, g)
+    r.token_ids.extend(torch.randint(vocab, (new - 1,), generator=g).tolist())
+    r.num_prompt_tokens = len(r.token_ids)  # no output yet: a prefill, not a decode
+    return r
+
+
+def hybrid_step(engine: LLMEngine, decodes: list[int], chunks: list[tuple[int, int]], seed: int,
+                one_token_at_a_time: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every row of a step with `decodes` (contexts) and prefill `chunks` ((cached,
+    new) tokens), and the KV of all their tokens after it: as one step, or the decodes as one
+    step and then each chunk a token per step."""
+    synthetic = SyntheticBatches(engine)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        grants = [(synthetic.with_cached_context(n, g), 1) for n in decodes]
+        grants += [(chunk_request(synthetic, c, n, g), n) for c, n in chunks]
+        if one_token_at_a_time:
+            logits = [synthetic.run(grants[:len(decodes)], all_logits=True)] if decodes else []
+            logits += [synthetic.run([(r, 1)], all_logits=True) for r, n in grants[len(decodes):] for _ in range(n)]
+            logits = torch.cat(logits)
+        else:
+            logits = synthetic.run(grants, all_logits=True)
+        runner = engine.runner
+        slots = [torch.from_numpy(runner.slots_for(r.block_ids, 0, r.num_computed_tokens)) for r, _ in grants]
+        return logits, runner.kv_cache[:, :, torch.cat(slots)]
+    finally:
+        synthetic.close()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(decodes=st.lists(st.integers(1, 100), max_size=3),
+       chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), min_size=1, max_size=2),
+       seed=st.integers(0, 1 << 16))
+def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, seed):
+    """Decodes and prefill chunks in one fused step give, bit for bit, the logits and KV of the
+    decodes alone and then each chunk's tokens one per step: a chunk's queries share the passes
+    over their context but each computes exactly what it would as a decode."""
+    model = engine.model
+    saved, model.fused_decode = model.fused_decode, FusedDecode.build(model, COMPILE_MIN_TOKENS - 1)
+    counted = model.fused_decode = Counting(model.fused_decode)
+    model.lm_head.max_quantized_tokens = COMPILE_MIN_TOKENS - 1  # every row's logits from one kernel
+    try:
+        got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
+        assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
+        want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
+    finally:
+        model.fused_decode, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache, want_cache)
 
 
 def test_a_stage_without_the_final_norm(engine):

@@ -105,80 +105,111 @@ static inline void prefetch_rows(const char *first, int64_t rows, int64_t stride
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(first + r * stride + b);
 }
 
-/* One (sequence, KV head): the `group` query heads that share the KV head. Blocks are walked
-   block by block, so finding a token's slot needs no division. Always inlined, so the calls below
-   with a constant head_dim and dtype get loops the compiler unrolls and vectorises for them. */
+/* One run of `nq` consecutive tokens of a sequence (a decode: nq = 1) and one KV head: the
+   nq * group query rows (token i's `group` heads, rows q_row apart) against the run's context of
+   `len` tokens, causally: token i sees the first len - nq + 1 + i. Each cached row of K and V is
+   read once for every query that sees it (those from i_min on), so a chunk's queries share the
+   passes over its prefix. Blocks are walked block by block, so finding a token's slot needs no
+   division. Always inlined, so the calls below with a constant head_dim and dtype get loops the
+   compiler unrolls and vectorises for them. */
 static inline __attribute__((always_inline)) void attend_kv_head(
-        const char *q, char *out, const char *k_head, const char *v_head, const int64_t *table, int64_t len,
-        int64_t group, int64_t slot_bytes, int64_t block_size, float scale, const int is_bf16, const int64_t dim) {
-    const int64_t elem = is_bf16 ? 2 : 4;
-    float *scores = malloc(sizeof(float) * (size_t)(group * len + (2 * group + 1) * dim));
-    float *qf = scores + group * len, *acc = qf + group * dim, *buf = acc + group * dim;
+        const char *q, int64_t q_row, char *out, int64_t out_row, int64_t nq, const char *k_head,
+        const char *v_head, const int64_t *table, int64_t len, int64_t group, int64_t slot_bytes, int64_t block_size,
+        float scale, const int is_bf16, const int64_t dim) {
+    const int64_t elem = is_bf16 ? 2 : 4, rows = nq * group, first_run_row = len - nq;
+    float *scores = malloc(sizeof(float) * (size_t)(rows * len + (2 * rows + 1) * dim));
+    float *qf = scores + rows * len, *acc = qf + rows * dim, *buf = acc + rows * dim;
     prefetch_rows(k_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
-    for (int64_t g = 0; g < group; g++)
-        memcpy(qf + g * dim, as_float(q + g * dim * elem, is_bf16, dim, buf), sizeof(float) * (size_t)dim);
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t g = 0; g < group; g++)
+            memcpy(qf + (i * group + g) * dim, as_float(q + i * q_row + g * dim * elem, is_bf16, dim, buf),
+                   sizeof(float) * (size_t)dim);
     for (int64_t first = 0; first < len; first += block_size) {
-        const char *rows = k_head + table[first / block_size] * block_size * slot_bytes;
+        const char *cached = k_head + table[first / block_size] * block_size * slot_bytes;
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
-        for (int64_t o = 0; o < n; o++)
-            score_row(qf, rows + o * slot_bytes, is_bf16, dim, group, scores + first + o, len, scale, buf);
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, top = sg[0], sum = 0.f;  /* len >= 1 */
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = expf(sg[t] - top);
-            sum += sg[t];
+        for (int64_t o = 0; o < n; o++) {
+            const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
+            score_row(qf + from * dim, cached + o * slot_bytes, is_bf16, dim, rows - from, scores + from * len + t,
+                      len, scale, buf);
         }
-        for (int64_t t = 0; t < len; t++) sg[t] /= sum;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t seen = first_run_row + 1 + r / group;  /* >= 1 */
+        float *sr = scores + r * len, top = sr[0], sum = 0.f;
+        for (int64_t t = 0; t < seen; t++) top = sr[t] > top ? sr[t] : top;
+        for (int64_t t = 0; t < seen; t++) {
+            sr[t] = expf(sr[t] - top);
+            sum += sr[t];
+        }
+        for (int64_t t = 0; t < seen; t++) sr[t] /= sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
     prefetch_rows(v_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
     for (int64_t first = 0; first < len; first += block_size) {
-        const char *rows = v_head + table[first / block_size] * block_size * slot_bytes;
+        const char *cached = v_head + table[first / block_size] * block_size * slot_bytes;
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
-        for (int64_t o = 0; o < n; o++)
-            accumulate_row(acc, scores + first + o, len, rows + o * slot_bytes, is_bf16, dim, group, buf);
+        for (int64_t o = 0; o < n; o++) {
+            const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
+            accumulate_row(acc + from * dim, scores + from * len + t, len, cached + o * slot_bytes, is_bf16, dim,
+                           rows - from, buf);
+        }
     }
-    for (int64_t g = 0; g < group; g++) store_row(out + g * dim * elem, is_bf16, dim, acc + g * dim);
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t g = 0; g < group; g++)
+            store_row(out + i * out_row + g * dim * elem, is_bf16, dim, acc + (i * group + g) * dim);
     free(scores);
 }
 
-/* q: [seqs, heads, head_dim] rows `q_stride` elements apart; out likewise with `out_stride`.
+/* Runs of queries over their cached contexts, read from the blocks in place.
+   q: [tokens, heads, head_dim] rows `q_stride` elements apart; out likewise with `out_stride`.
    k_cache, v_cache: [slots, kv_heads, head_dim], slot = block * block_size + offset.
-   block_tables: [seqs, table_width]; context_lens: [seqs], the new token included.
-   k_new, v_new (NULL: already in the cache): the new tokens' [seqs, kv_heads, head_dim], rows
-   k_stride / v_stride elements apart, written to `slots` first: each task writes the rows it
-   then reads, so the cache write costs no torch op per layer. */
-void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                            void *k_cache, void *v_cache, const int64_t *block_tables,
-                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int is_bf16, int num_threads,
-                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                            const int64_t *slots) {
+   block_tables: [runs, table_width]; context_lens: [runs], the run's own tokens included.
+   query_starts: [runs + 1], run r's tokens are query_starts[r]..query_starts[r + 1] - 1; NULL:
+   run r is token r alone (decodes). k_new, v_new (NULL: already in the cache): the tokens' new
+   [tokens, kv_heads, head_dim], rows k_stride / v_stride elements apart, written to `slots`
+   first: a decode's own task writes the rows it then reads; runs of several tokens, which read
+   each other's rows, have them all written before any is read. */
+void paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                          void *k_cache, void *v_cache, const int64_t *block_tables,
+                          int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
+                          int64_t num_runs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int is_bf16, int num_threads,
+                          const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                          const int64_t *slots) {
     const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t slot_bytes = num_kv_heads * row_bytes;
+    if (k_new && query_starts) {
+        const int64_t tokens = query_starts[num_runs];
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 16)
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                memcpy((char *)k_cache + slots[t] * slot_bytes + h * row_bytes,
+                       (const char *)k_new + (t * k_stride + h * head_dim) * elem, (size_t)row_bytes);
+                memcpy((char *)v_cache + slots[t] * slot_bytes + h * row_bytes,
+                       (const char *)v_new + (t * v_stride + h * head_dim) * elem, (size_t)row_bytes);
+            }
+    }
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t s = 0; s < num_seqs; s++) {
+    for (int64_t s = 0; s < num_runs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const char *qs = (const char *)q + (s * q_stride + h * group * head_dim) * elem;
-            char *os = (char *)out + (s * out_stride + h * group * head_dim) * elem;
+            const int64_t t0 = query_starts ? query_starts[s] : s, nq = query_starts ? query_starts[s + 1] - t0 : 1;
+            const char *qs = (const char *)q + (t0 * q_stride + h * group * head_dim) * elem;
+            char *os = (char *)out + (t0 * out_stride + h * group * head_dim) * elem;
             const char *k_head = (const char *)k_cache + h * row_bytes, *v_head = (const char *)v_cache + h * row_bytes;
             const int64_t *table = block_tables + s * table_width;
-            if (k_new) {
+            if (k_new && !query_starts) {
                 const int64_t to = slots[s] * slot_bytes;
                 const char *k_row = (const char *)k_new + (s * k_stride + h * head_dim) * elem;
                 const char *v_row = (const char *)v_new + (s * v_stride + h * head_dim) * elem;
                 memcpy((char *)k_head + to, k_row, (size_t)row_bytes);
                 memcpy((char *)v_head + to, v_row, (size_t)row_bytes);
             }
-#define ATTEND(bf16, dim) attend_kv_head(qs, os, k_head, v_head, table, context_lens[s], group, slot_bytes, \
-                                         block_size, scale, bf16, dim)
+#define ATTEND(bf16, dim) attend_kv_head(qs, q_stride * elem, os, out_stride * elem, nq, k_head, v_head, table, \
+                                         context_lens[s], group, slot_bytes, block_size, scale, bf16, dim)
             if (is_bf16 && head_dim == 64) ATTEND(1, 64);
             else if (is_bf16 && head_dim == 128) ATTEND(1, 128);
             else if (!is_bf16 && head_dim == 64) ATTEND(0, 64);
@@ -187,6 +218,19 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t 
 #undef ATTEND
         }
     }
+}
+
+/* Decodes (one token per sequence): paged_attention_runs with a run per token. */
+void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                            void *k_cache, void *v_cache, const int64_t *block_tables,
+                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, int is_bf16, int num_threads,
+                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                            const int64_t *slots) {
+    paged_attention_runs(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_width, context_lens, NULL,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads, k_new,
+                         k_stride, v_new, v_stride, slots);
 }
 
 /* The small element-wise steps of a decoder layer, bf16 only (fp32 keeps torch's ops: the

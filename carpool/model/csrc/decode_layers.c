@@ -40,12 +40,14 @@ static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int6
 /* x: [tokens, hidden] bf16, the residual stream entering layer 0. out: the stream after the
    last layer (it holds the stream in between), RMSNorm-ed by final_norm unless that is NULL.
    cos, sin: [tokens, head_dim]. kv_cache: [layers, 2, cache_slots, kv_heads, head_dim]; the
-   decodes' new k, v go to `slots`. Returns 0 when out of memory. */
+   tokens' new k, v go to `slots`. Attention runs as paged_attention_runs lays out: block_tables
+   and context_lens per run, query_starts NULL for decodes only (a run per token). Returns 0
+   when out of memory. */
 int decode_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
                   const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
                   const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
                   const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                  const int64_t *slots, int num_threads) {
+                  const int64_t *query_starts, int64_t num_runs, const int64_t *slots, int num_threads) {
     const int64_t hidden = shape->hidden, dim = shape->head_dim, inter = shape->intermediate;
     const int64_t q_size = shape->num_heads * dim, kv_size = shape->num_kv_heads * dim;
     const int64_t qkv_width = q_size + 2 * kv_size, cache_half = cache_slots * kv_size;
@@ -63,10 +65,10 @@ int decode_layers(const DecoderLayerWeights *layers, int64_t num_layers, const D
         ok = linear(&w->qkv, normed, wide, tokens, hidden, qkv_width, num_threads);
         if (!ok) break;
         rope_bf16(wide, tokens, qkv_width, shape->num_heads + shape->num_kv_heads, dim, cos, sin);
-        paged_decode_attention(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
-                               context_lens, tokens, shape->num_heads, shape->num_kv_heads, dim, shape->block_size,
-                               shape->scale, 1, num_threads, wide + q_size, qkv_width, wide + q_size + kv_size,
-                               qkv_width, slots);
+        paged_attention_runs(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
+                             context_lens, query_starts, query_starts ? num_runs : tokens, shape->num_heads,
+                             shape->num_kv_heads, dim, shape->block_size, shape->scale, 1, num_threads, wide + q_size,
+                             qkv_width, wide + q_size + kv_size, qkv_width, slots);
         ok = linear(&w->o, narrow, delta, tokens, q_size, hidden, num_threads);
         if (!ok) break;
         rms_norm_bf16(stream, delta, out, normed, w->post_attention_norm, tokens, hidden, shape->eps);
