@@ -15,7 +15,7 @@ from carpool.core.scheduler import ScheduledBatch
 from carpool.model.attention import AttentionMetadata, PrefillChunk, query_runs
 from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
-from carpool.model.fused_decode import FusedDecode
+from carpool.model.fused_layers import FusedLayers
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 from carpool.model.quant import choose_kernels
 
@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
         self.compiled = not enforce_eager and can_compile(model) and self.compile_forward()
         if self.decode_kernel:
-            model.fused_decode = FusedDecode.build(model)
+            model.fused_layers = FusedLayers.build(model)
 
     def compile_forward(self) -> bool:
         """Compile the model (model/compiled.py) and run one step of each warm-up size, so no
@@ -179,7 +179,7 @@ class ModelRunner:
             decode_mask=mask,
             prefills=prefills,
         )
-        fused = self.model.fused_decode
+        fused = self.model.fused_layers
         if plan.prefills and fused is not None and plan.num_tokens <= fused.max_tokens:
             meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)

@@ -1,4 +1,4 @@
-"""Decode-only step time against batch size: the fused path (model/fused_decode.py) against the
+"""Decode-only step time against batch size: the fused path (model/fused_layers.py) against the
 eager layers, with the kernels as chosen at start-up and with every matmul on the quantized
 kernel. Median of `repeats` per point, the three alternated in one process over the same
 random cached contexts.
@@ -18,7 +18,7 @@ import torch
 from carpool.bench.synthetic import SyntheticBatches
 from carpool.config import default_model_path
 from carpool.engine import LLMEngine
-from carpool.model.fused_decode import FusedDecode
+from carpool.model.fused_layers import FusedLayers
 from carpool.model.quant import QuantizedLinear
 
 BATCHES = (1, 2, 4, 8, 12, 16, 20, 24, 31)
@@ -26,7 +26,7 @@ BATCHES = (1, 2, 4, 8, 12, 16, 20, 24, 31)
 
 def sweep(engine: LLMEngine, context: int, batches=BATCHES, repeats: int = 7) -> list[dict]:
     model = engine.model
-    fused = model.fused_decode or FusedDecode.build(model)
+    fused = model.fused_layers or FusedLayers.build(model)
     if fused is None:
         raise SystemExit("no fused decode path here (needs bf16, quantized weights, AVX-512 VNNI)")
     chosen = {m: m.max_quantized_tokens for m in model.modules() if isinstance(m, QuantizedLinear)}
@@ -46,20 +46,20 @@ def sweep(engine: LLMEngine, context: int, batches=BATCHES, repeats: int = 7) ->
     try:
         for d in batches:
             grants = [(r, 1) for r in requests[:d]]
-            model.fused_decode = None
+            model.fused_layers = None
             for m, n in chosen.items():
                 m.max_quantized_tokens = n
             eager = median_step(grants)
             for m in chosen:
                 m.max_quantized_tokens = max(batches)
             eager_quantized = median_step(grants)
-            model.fused_decode = fused
+            model.fused_layers = fused
             rows.append({"decodes": d, "context": context, "eager_s": eager, "eager_quantized_s": eager_quantized,
                          "fused_s": median_step(grants)})
     finally:
         for m, n in chosen.items():
             m.max_quantized_tokens = n
-        model.fused_decode = fused
+        model.fused_layers = fused
         synthetic.close()
     return rows
 

@@ -9,7 +9,8 @@ from a profiled cost model (`seed`), and starts empty otherwise.
 
 Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a cost per
 decode row (sampling, inputs) and a larger one per prefill chunk (each chunk is its own attention
-call per layer, with its block table, mask and gathered prefix), decode attention over each
+call per layer, with its block table, mask and gathered prefix), a fixed cost that steps from
+SMALL_STEP_TOKENS up pay on top (they leave the fused path), decode attention over each
 context (SDPA over gathered blocks pads every row to the longest, hence both the sum and
 `decodes x longest`), and chunk attention over each chunk's query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
 hinges in the token count (`max(0, tokens - k)`) let a fit with non-negative weights bend there.
@@ -62,10 +63,15 @@ class BatchShape:
 
 # Token counts where the per-token cost may bend (GPU tiles/waves); see the module docstring.
 HINGES = (64, 256, 1024)
+# Below this many tokens a step may run another path with its own fixed cost: on CPU the fused
+# layers (all layers in one C call) up to 31 tokens, compiled graphs from 32 (model/compiled.py
+# COMPILE_MIN_TOKENS); on a GPU, CUDA graphs end at a batch size likewise. A 24-token fused step
+# took 16 ms and a 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend.
+SMALL_STEP_TOKENS = 32
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
-            "decode_context_sum", "decode_context_padded", "chunk_attention")
+            "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}")
 # Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
-_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6)
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0)
 
 
 def features(shape: BatchShape) -> list[float]:
@@ -73,7 +79,7 @@ def features(shape: BatchShape) -> list[float]:
     d = shape.decode_contexts
     attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
     raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
-           len(d) * max(d, default=0), attn)
+           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS))
     return [x * s for x, s in zip(raw, _SCALE)]
 
 

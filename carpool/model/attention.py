@@ -75,7 +75,7 @@ class AttentionMetadata:
     # the C kernel (model/cpu_kernels.py) reads the blocks in place instead.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
-    # The whole step as query runs, for the fused layers (model/fused_decode.py); None where the
+    # The whole step as query runs, for the fused layers (model/fused_layers.py); None where the
     # runner did not build them (decode-only steps need none, nor steps the fused path skips).
     runs: QueryRuns | None = None
 

@@ -92,7 +92,7 @@ def library() -> ctypes.PyDLL | None:
         lib = ctypes.PyDLL(path)
         # ...except a whole decode step's layers (milliseconds, once a step): that call lets the
         # GIL go, so the HTTP thread streams the last step's tokens while this one computes.
-        lib.decode_layers = ctypes.CDLL(path).decode_layers
+        lib.fused_layers = ctypes.CDLL(path).fused_layers
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
         return None
@@ -108,11 +108,11 @@ def library() -> ctypes.PyDLL | None:
         "quant_amx_supported": [],
         "paged_attention_runs": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                  _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
-        "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+        "fused_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                           _ptr, ctypes.c_int],
     }
     returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
-                                               "quant_amx_supported", "decode_layers")}
+                                               "quant_amx_supported", "fused_layers")}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = returns.get(name), argtypes

@@ -20,7 +20,7 @@ from carpool.model import cpu_kernels
 from carpool.model.attention import AttentionMetadata, paged_attention
 
 if TYPE_CHECKING:
-    from carpool.model.fused_decode import FusedDecode
+    from carpool.model.fused_layers import FusedLayers
 
 
 class RMSNorm(nn.Module):
@@ -319,8 +319,8 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_range(config.vocab_size)[1], bias=False)
         self.requires_grad_(False)
         # All layers of a decode-only step in one C call, where it applies (set by the model
-        # runner once the weights are final: model/fused_decode.py).
-        self.fused_decode: FusedDecode | None = None
+        # runner once the weights are final: model/fused_layers.py).
+        self.fused_layers: FusedLayers | None = None
 
     @property
     def num_local_layers(self) -> int:
@@ -333,8 +333,8 @@ class LlamaModel(nn.Module):
         (normed on the last stage)."""
         x = self.embed_tokens(input_ids) if self.is_first else hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
-            return self.fused_decode(x, cos, sin, kv_cache, meta)
+        if self.fused_layers is not None and self.fused_layers.runs(x, meta):
+            return self.fused_layers(x, cos, sin, kv_cache, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
         return self.norm(x) if self.is_last else x

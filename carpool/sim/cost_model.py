@@ -89,9 +89,11 @@ class ProfiledCostModel:
     decode_attn(batch, context)  batched decode attention, all layers, equal contexts; a real
                               batch is looked up at its longest context, since the CPU kernel
                               pads every row to it (a mean under-predicted mixed batches ~2x)
-    decode_step(batch, context)  a whole decode-only forward, where the runner fuses those
-                              into one call (model/fused_decode.py), equal contexts; such a
-                              step takes it instead of linear + decode_attn, up to its batch
+    decode_step(batch, context)  a whole decode-only forward, where the runner fuses small steps
+                              into one call (model/fused_layers.py), equal contexts; a step of
+                              up to its largest batch in tokens takes it instead of the parts:
+                              there a chunk token costs what a decode at its context does, so
+                              a hybrid step is looked up at its token count and longest context
     sample(rows)              LM head + sampling for the rows sampled
     overhead                  per-iteration CPU work outside the model (scheduling, inputs)
     calibration               measured / predicted step time on real engine steps (median)
@@ -115,8 +117,9 @@ class ProfiledCostModel:
 
     def stage_time(self, shape: BatchShape, stage: int) -> float:
         decodes = len(shape.decode_contexts)
-        if not shape.prefills and self.decode_step is not None and 0 < decodes <= self.decode_step.xs[-1]:
-            t = self.decode_step(decodes, max(shape.decode_contexts))
+        if self.decode_step is not None and 0 < shape.num_tokens <= self.decode_step.xs[-1]:
+            contexts = [*shape.decode_contexts, *(p + n for n, p in shape.prefills)]
+            t = self.decode_step(shape.num_tokens, max(contexts))
         else:
             t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
             t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)

@@ -90,7 +90,7 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
                 prof.add("prefill_attn", n, prefix, attention_time([(r, n)]))
                 synth.close()
 
-        fused = model.fused_decode  # decode-only steps run their own path: time it whole
+        fused = model.fused_layers  # decode-only steps run their own path: time it whole
         for ctx in grid["decode_context"]:
             reqs = [synth.with_cached_context(ctx - 1, gen) for _ in range(max(grid["decode_batch"]))]
             for d in grid["decode_batch"]:

@@ -24,7 +24,7 @@ def fixed_model(weights: list[float]) -> StepCostModel:
     return m
 
 
-CPU_LIKE = [0.008, 0.27, 0.0, 0.0, 0.0, 0.01, 0.01, 0.0, 0.04, 0.06]  # scaled weights (see _SCALE)
+CPU_LIKE = [0.008, 0.27, 0.0, 0.0, 0.0, 0.01, 0.01, 0.0, 0.04, 0.06, 0.01]  # scaled weights (see _SCALE)
 
 
 def make(target: float, cost: StepCostModel, budget: int = 4096, num_blocks: int = 2000,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.core.step_cost import (FEATURES, BatchShape, ChunkSizes, StepCostModel, features,
+from carpool.core.step_cost import (FEATURES, SMALL_STEP_TOKENS, BatchShape, ChunkSizes, StepCostModel, features,
                                     nonnegative_least_squares)
 
 
@@ -40,6 +40,20 @@ def test_fit_converges_on_synthetic_step_times():
     assert errors[int(0.9 * len(errors))] < 0.05
     assert all(w >= 0 for w in model.weights)
     assert 1.0 <= model.margin < 1.06  # the 95th percentile of +-3% noise
+
+
+def test_fit_learns_the_jump_past_small_steps():
+    """Steps past the fused path's size pay a fixed cost more (a jump of 10 ms at 32 tokens):
+    the fit predicts both sides of it, where tokens alone would smear it over every size."""
+    rng = random.Random(2)
+    jump = lambda s: true_time(s) + (0.010 if s.num_tokens >= SMALL_STEP_TOKENS else 0.0)  # noqa: E731
+    model = StepCostModel()
+    for _ in range(600):
+        shape = random_shape(rng)
+        model.observe(shape, jump(shape) * rng.uniform(0.98, 1.02))
+    for n in (SMALL_STEP_TOKENS - 8, SMALL_STEP_TOKENS - 1, SMALL_STEP_TOKENS, SMALL_STEP_TOKENS + 8):
+        probe = BatchShape(((n - 4, 300),), (500,) * 4, 4)
+        assert model.predict(probe) == pytest.approx(jump(probe), rel=0.05)
 
 
 def test_fit_follows_a_machine_that_slows_down():

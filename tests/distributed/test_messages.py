@@ -18,14 +18,14 @@ from carpool.model_runner import StepPlan
 
 
 def a_plan() -> StepPlan:
-    """Two decodes, a first chunk (no table) and a later chunk (with one), fresh tails."""
+    """Two decodes, a first chunk and a later one (each with its block table), fresh tails."""
     return StepPlan(
         input_ids=[5, 9, 100, 101, 102, 49151, 7],
         positions=np.array([40, 17, 0, 1, 2, 16, 17], dtype=np.int64),
         slot_mapping=np.array([72, 33, 48, 49, 50, 96, 97], dtype=np.int64),
         decode_tables=[[0, 1, 4], [2, 3]],
         decode_lens=[41, 18],
-        prefills=[(2, 5, 0, None), (5, 7, 16, [6, 1 << 40])],
+        prefills=[(2, 5, 0, [5]), (5, 7, 16, [6, 1 << 40])],
         sample_rows=[0, 1, 6],
         fresh_tails=[np.array([51, 52, 53], dtype=np.int64), np.array([98], dtype=np.int64)],
     )
@@ -78,7 +78,7 @@ def test_decoded_plan_runs_like_the_original(no_pickle):
     """The decoded plan has the types the runner reads (lists of ints, int64 arrays)."""
     got = decode(encode(RunPlan(1, a_plan()))).plan
     assert all(type(x) is int for x in got.input_ids + got.sample_rows + got.decode_lens)
-    assert got.prefills[0][3] is None and all(type(x) is int for x in got.prefills[1][3])
+    assert got.prefills[0][3] == [5] and all(type(x) is int for x in got.prefills[1][3])
 
 
 def frame_of(header: dict, body: bytes = b"") -> bytes:

@@ -47,9 +47,10 @@ def test_profiled_model_predicts_from_its_tables(tmp_path):
     assert two.stage_time(shape, 0) + two.stage_time(shape, 1) == pytest.approx(expected)
 
 
-def test_decode_only_steps_take_the_whole_step_table(tmp_path):
-    """Where the runner fuses decode-only forwards, the profile times them whole (decode_step);
-    hybrid steps and batches past its largest still add up the parts."""
+def test_small_steps_take_the_whole_step_table(tmp_path):
+    """Where the runner fuses small forwards, the profile times decode-only ones whole
+    (decode_step); hybrid steps within it count each chunk token as a decode at the step's
+    longest context; bigger steps still add up the parts."""
     path = tmp_path / "p.csv"
     write_profile(path)
     with path.open("a") as f:
@@ -62,8 +63,10 @@ def test_decode_only_steps_take_the_whole_step_table(tmp_path):
     decodes = BatchShape(decode_contexts=(100, 300), num_sampled=2)
     assert model.stage_time(decodes, 0) == pytest.approx(0.008 + 300e-6 + 2e-3 + 0.002)
     assert model.stage_time(decodes, 0) != pytest.approx(parts.stage_time(decodes, 0))
-    for shape in (BatchShape(prefills=((16, 0),), decode_contexts=(100,), num_sampled=2),
-                  BatchShape(decode_contexts=(100,) * 9, num_sampled=9)):  # hybrid; 9 > the table's 8
+    hybrid = BatchShape(prefills=((4, 200),), decode_contexts=(100,), num_sampled=2)  # 5 tokens, context 204
+    assert model.stage_time(hybrid, 0) == pytest.approx(0.02 + 204e-6 + 2e-3 + 0.002)
+    for shape in (BatchShape(prefills=((16, 0),), decode_contexts=(100,), num_sampled=2),  # 17 tokens
+                  BatchShape(decode_contexts=(100,) * 9, num_sampled=9)):  # 9 > the table's 8
         assert model.stage_time(shape, 0) == pytest.approx(parts.stage_time(shape, 0))
 
 

@@ -1,5 +1,5 @@
 /* What the C kernels share: bf16 <-> fp32 as torch rounds, and the entry points that
-   decode_layers.c strings together (model/cpu_kernels.py compiles every .c file here into one
+   fused_layers.c strings together (model/cpu_kernels.py compiles every .c file here into one
    library; a change to this header changes its cache key too). */
 
 #ifndef CARPOOL_KERNELS_H

@@ -1,11 +1,12 @@
-/* A decode-only step's decoder layers in one call (model/fused_decode.py drives it).
+/* A small step's decoder layers in one call (model/fused_layers.py drives it).
 
    At one token a layer is ten small steps (norm, QKV, RoPE, attention, output projection,
    residual + norm, gate/up, SiLU * up, down, residual), each a C kernel already; between them
    eager PyTorch spends a few microseconds of Python apiece (module calls, views, empty
    tensors): ~1,000 calls per step, which at one token cost more than the matmuls. This file
    strings the same kernels together, in the same order and with the same roundings, so a step
-   makes one call for all its layers and its outputs equal the eager path's bit for bit. */
+   makes one call for all its layers and its outputs equal the eager path's bit for bit (for a
+   decode-only step; a prefill chunk's attention is paged_attention_runs, not SDPA). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +44,7 @@ static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int6
    tokens' new k, v go to `slots`. Attention runs as paged_attention_runs lays out: block_tables
    and context_lens per run, query_starts NULL for decodes only (a run per token). Returns 0
    when out of memory. */
-int decode_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
+int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
                   const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
                   const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
                   const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,

@@ -1,4 +1,4 @@
-"""The fused step (model/fused_decode.py): one C call for all layers of a decode-only step
+"""The fused step (model/fused_layers.py): one C call for all layers of a decode-only step
 equals the eager layers bit for bit (logits and KV cache); a step with prefill chunks equals its
 tokens one at a time; and it runs only where it applies."""
 
@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carpool.bench.synthetic import SyntheticBatches
+from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
 from carpool.model.compiled import COMPILE_MIN_TOKENS
 from carpool.model.cpu_kernels import has_quantized_matmul
-from carpool.model.fused_decode import FusedDecode
+from carpool.model.fused_layers import FusedLayers
 from carpool.model.quant import QuantizedLinear
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
@@ -25,24 +26,24 @@ pytestmark = pytest.mark.skipif(not has_quantized_matmul(), reason="needs AVX-51
 MAX_TOKENS = 8
 
 
-def fuse(engine: LLMEngine) -> FusedDecode:
+def fuse(engine: LLMEngine) -> FusedLayers:
     """The fused path up to MAX_TOKENS decodes, and the eager layers on the quantized kernels
     up to there too (whatever crossover start-up measured), so the two compute alike."""
     for m in engine.model.modules():
         if isinstance(m, QuantizedLinear):
             m.max_quantized_tokens = MAX_TOKENS
-    engine.model.fused_decode = FusedDecode.build(engine.model, MAX_TOKENS)
-    assert engine.model.fused_decode is not None and engine.model.fused_decode.max_tokens == MAX_TOKENS
-    return engine.model.fused_decode
+    engine.model.fused_layers = FusedLayers.build(engine.model, MAX_TOKENS)
+    assert engine.model.fused_layers is not None and engine.model.fused_layers.max_tokens == MAX_TOKENS
+    return engine.model.fused_layers
 
 
 @contextlib.contextmanager
 def eager(engine: LLMEngine):
-    saved, engine.model.fused_decode = engine.model.fused_decode, None
+    saved, engine.model.fused_layers = engine.model.fused_layers, None
     try:
         yield
     finally:
-        engine.model.fused_decode = saved
+        engine.model.fused_layers = saved
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
@@ -82,7 +83,7 @@ def decode_step(engine: LLMEngine, contexts: list[int], seed: int) -> tuple[torc
 class Counting:
     """The fused path, recording how many tokens each call had."""
 
-    def __init__(self, fused: FusedDecode):
+    def __init__(self, fused: FusedLayers):
         self.fused, self.tokens, self.max_tokens = fused, [], fused.max_tokens
 
     def runs(self, x, meta) -> bool:
@@ -154,23 +155,23 @@ def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, 
     decodes alone and then each chunk's tokens one per step: a chunk's queries share the passes
     over their context but each computes exactly what it would as a decode."""
     model = engine.model
-    saved, model.fused_decode = model.fused_decode, FusedDecode.build(model, COMPILE_MIN_TOKENS - 1)
-    counted = model.fused_decode = Counting(model.fused_decode)
+    saved, model.fused_layers = model.fused_layers, FusedLayers.build(model, COMPILE_MIN_TOKENS - 1)
+    counted = model.fused_layers = Counting(model.fused_layers)
     model.lm_head.max_quantized_tokens = COMPILE_MIN_TOKENS - 1  # every row's logits from one kernel
     try:
         got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
         assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
         want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
     finally:
-        model.fused_decode, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
+        model.fused_layers, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)
 
 
 def test_a_stage_without_the_final_norm(engine):
     """A pipeline stage that is not the last returns the residual stream, not normed."""
-    model, fused = engine.model, engine.model.fused_decode
-    stage = FusedDecode(model, MAX_TOKENS)
+    model, fused = engine.model, engine.model.fused_layers
+    stage = FusedLayers(model, MAX_TOKENS)
     stage.final_norm = None
     synthetic = SyntheticBatches(engine)
     try:
@@ -190,13 +191,13 @@ def test_a_stage_without_the_final_norm(engine):
 
 
 def test_engine_greedy_runs_fused_and_matches_eager(engine):
-    fused = engine.model.fused_decode
-    engine.model.fused_decode = counted = Counting(fused)
+    fused = engine.model.fused_layers
+    engine.model.fused_layers = counted = Counting(fused)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:MAX_TOKENS]]
     try:
         got = run_greedy(engine, prompts, 12)
     finally:
-        engine.model.fused_decode = fused
+        engine.model.fused_layers = fused
     assert counted.tokens and max(counted.tokens) == MAX_TOKENS
     assert engine.reset_prefix_cache()
     with eager(engine):
@@ -205,13 +206,14 @@ def test_engine_greedy_runs_fused_and_matches_eager(engine):
 
 
 def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_path):
-    assert engine_fp32.model.fused_decode is None  # fp32: torch's kernels, the reference arithmetic
+    assert engine_fp32.model.fused_layers is None  # fp32: torch's kernels, the reference arithmetic
     dense = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
-    assert dense.model.fused_decode is None
-    assert FusedDecode.build(engine.model).max_tokens == COMPILE_MIN_TOKENS - 1  # below the compiled sizes
+    assert dense.model.fused_layers is None
+    assert FusedLayers.build(engine.model).max_tokens == COMPILE_MIN_TOKENS - 1  # below the compiled sizes
+    assert SMALL_STEP_TOKENS == COMPILE_MIN_TOKENS  # where the step-cost fit expects the jump
     down = engine.model.layers[-1].mlp.down_proj
     kernel, down.kernel = down.kernel, None  # one weight on torch's kernel
     try:
-        assert FusedDecode.build(engine.model) is None
+        assert FusedLayers.build(engine.model) is None
     finally:
         down.kernel = kernel

@@ -1,18 +1,21 @@
-"""A decode-only step's decoder layers as one C call (csrc/decode_layers.c).
+"""A small step's decoder layers as one C call (csrc/fused_layers.c).
 
 At a few tokens an eager layer is ten C kernels separated by Python: module calls, views and
 output tensors, ~1,000 calls per step that together cost more than reading the weights. Where
 every layer can run the C kernels (bf16 on a CPU with AVX-512 VNNI, all linears quantized),
-a decode-only step runs them in the same order from one call: its outputs equal the eager
-layers' with the quantized kernels exactly.
+a step runs them in the same order from one call. Decode-only steps equal the eager layers
+with the quantized kernels exactly. Steps with prefill chunks (Sarathi's hybrid steps) attend
+as runs of queries (attention.QueryRuns): each chunk token computes exactly what it would as a
+decode, so a chunk equals its tokens one step at a time, bit for bit (the eager path's SDPA
+rounds differently).
 
-It runs up to COMPILE_MIN_TOKENS - 1 decodes, past the quantized matmuls' own crossover (8-16
-tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused step beat the
-eager one at every batch size up to 31 (context 512: 3.8 vs 8.3 ms at 1 decode, 15.6 vs 20.3 at
-8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31; Intel Xeon with AMX, 2 threads, 2026-12-01;
-`python -m carpool.bench.decode_sweep`).
-Everything else (prefill chunks, fp32, dense weights, tensor parallelism, Qwen3's q/k norms,
-the profiler's attention hook) runs the eager layers.
+It runs steps of up to COMPILE_MIN_TOKENS - 1 tokens, past the quantized matmuls' own crossover
+(8-16 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused step beat
+the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at 1 decode,
+15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31; `python -m carpool.bench.decode_sweep`;
+a 16-token chunk with 4 decodes: 15.7 vs 25.6 ms, `carpool bench hybrid`; Intel Xeon with AMX,
+2 threads, 2026-12-01). Everything else (bigger steps, fp32, dense weights, tensor parallelism,
+Qwen3's q/k norms, the profiler's attention hook) runs the eager layers.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _weight(linear: QuantizedLinear) -> QuantizedWeight:
                            None if bias is None else bias.data_ptr())
 
 
-class FusedDecode:
+class FusedLayers:
     """The model's layers as C structs of weight pointers, bound once (the weights never move;
     the model, which owns them, holds this object)."""
 
@@ -70,10 +73,10 @@ class FusedDecode:
         self.shape = DecoderShape(config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                   layers[0].mlp.inter, 0, config.rms_norm_eps, attn.scale)
         self.final_norm = model.norm.weight.data_ptr() if model.is_last else None
-        self._call = cpu_kernels.library().decode_layers
+        self._call = cpu_kernels.library().fused_layers
 
     @classmethod
-    def build(cls, model: LlamaModel, max_tokens: int = COMPILE_MIN_TOKENS - 1) -> FusedDecode | None:
+    def build(cls, model: LlamaModel, max_tokens: int = COMPILE_MIN_TOKENS - 1) -> FusedLayers | None:
         """The fused path for `model`, or None where its layers need the eager path."""
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
