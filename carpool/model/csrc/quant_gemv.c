@@ -205,9 +205,10 @@ static inline __attribute__((always_inline)) void int8_block(
    stores, not the products, are most of the time: 0.6-0.8x the VNNI kernel's time from 16 tokens
    (1.0x at 8, slower below: the tiles' fixed cost), so it runs from AMX_FROM_TOKENS up. Past
    ~32 tokens oneDNN's bf16 GEMM on the dense copy beats both (model/quant.py chooses).
-   Widening a block's codes to bf16 for AMX's bf16 unit instead (no per-group step) was tried:
-   the widening alone cost about what the dense copy's bf16 weights cost to stream from memory,
-   and it lost to the dense GEMM at every token count (Intel Xeon with AMX, 2 threads, 2026-12-01). */
+   Widening a block's codes to bf16 for AMX's bf16 unit instead (no per-group step) was tried and
+   not kept: the widening alone cost about what streaming the dense copy's bf16 weights costs, so
+   it was at best on par with the dense GEMM around 32 tokens and slower than it or the integer
+   kernels elsewhere (Intel Xeon with AMX, 2 threads, 2026-12-01). */
 
 /* Linux gives the 8 KB of tile state only to a process that asks (once; then every thread). */
 static int amx_permitted(void) {
