@@ -28,7 +28,7 @@ def sweep(engine: LLMEngine, context: int, batches=BATCHES, repeats: int = 7) ->
     model = engine.model
     fused = model.fused_layers or FusedLayers.build(model)
     if fused is None:
-        raise SystemExit("no fused decode path here (needs bf16, quantized weights, AVX-512 VNNI)")
+        raise SystemExit("no fused path here (needs bf16, quantized weights, AVX-512 VNNI)")
     chosen = {m: m.max_quantized_tokens for m in model.modules() if isinstance(m, QuantizedLinear)}
     synthetic = SyntheticBatches(engine)
     g = torch.Generator().manual_seed(0)

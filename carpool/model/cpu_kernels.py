@@ -90,7 +90,7 @@ def library() -> ctypes.PyDLL | None:
         # up the GIL 120 times a step waits to get it back whenever the HTTP thread holds it.
         path = str(build())
         lib = ctypes.PyDLL(path)
-        # ...except a whole decode step's layers (milliseconds, once a step): that call lets the
+        # ...except a whole small step's layers (milliseconds, once a step): that call lets the
         # GIL go, so the HTTP thread streams the last step's tokens while this one computes.
         lib.fused_layers = ctypes.CDLL(path).fused_layers
     except (OSError, RuntimeError) as e:

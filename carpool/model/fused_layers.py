@@ -110,5 +110,5 @@ class FusedLayers:
                           kv_cache.shape[2], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                           None if starts is None else starts.data_ptr(), len(lens), meta.slot_mapping.data_ptr(),
                           torch.get_num_threads()):
-            raise MemoryError("fused decode: out of memory for its activations")
+            raise MemoryError("fused layers: out of memory for their activations")
         return out

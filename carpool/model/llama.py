@@ -318,7 +318,7 @@ class LlamaModel(nn.Module):
             # Vocabulary-parallel: this rank's rows of the LM head (all of them without TP).
             self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_range(config.vocab_size)[1], bias=False)
         self.requires_grad_(False)
-        # All layers of a decode-only step in one C call, where it applies (set by the model
+        # All layers of a small step in one C call, where it applies (set by the model
         # runner once the weights are final: model/fused_layers.py).
         self.fused_layers: FusedLayers | None = None
 

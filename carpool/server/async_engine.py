@@ -57,7 +57,7 @@ class LoopWaker:
     thread, just woken, takes it and streams the step's tokens while the engine thread waits
     to get it back -- its per-token work lands in the middle of every step. Here the wake-up
     byte is written with the GIL held, so the loop's thread runs when the engine next lets
-    the GIL go: during the step's long C calls (the fused decode layers, torch's kernels)."""
+    the GIL go: during the step's long C calls (the fused layers, torch's kernels)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         """On the loop's own thread."""

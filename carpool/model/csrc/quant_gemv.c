@@ -51,7 +51,7 @@ int quant_gemv_supported(void) {
 #define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
 #define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
 #ifndef AMX_FROM_TOKENS
-#define AMX_FROM_TOKENS TILE_TOKENS  /* measured: `carpool bench quant`, BENCHMARKS.md "AMX tiles" */
+#define AMX_FROM_TOKENS TILE_TOKENS  /* `carpool bench quant`; BENCHMARKS.md "Hybrid steps in one C call" */
 #endif
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void int8_block(
 }
 
 #define FOR_EACH_TILE(BLOCK, from)                                                        \
-    for (int64_t t0 = from; t0 < tokens; t0 += TILE) {                                    \
+    for (int64_t t0 = (from); t0 < tokens; t0 += TILE) {                                  \
         __m512 acc[TILE];                                                                 \
         const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;                       \
         if (tn == 4) BLOCK(4);                                                            \
@@ -202,8 +202,8 @@ static inline __attribute__((always_inline)) void int8_block(
    into bytes. Each group's int32 sums then go through the same fp32 arithmetic as the VNNI
    kernel, in the same order: the two kernels' outputs are equal bit for bit. The sums leave the
    tile unit once per group, since every group has its own scales; that fp32 pass and the tile
-   stores, not the products, are most of the time: 0.6-0.8x the VNNI kernel's time from 16 tokens
-   (1.0x at 8, slower below: the tiles' fixed cost), so it runs from AMX_FROM_TOKENS up. Past
+   stores, not the products, are most of the time: 0.7-1.0x the VNNI kernel's time from 16 tokens
+   (slower below: a part-used tile costs a whole one), so it runs whole tiles only. Past
    ~32 tokens oneDNN's bf16 GEMM on the dense copy beats both (model/quant.py chooses).
    Widening a block's codes to bf16 for AMX's bf16 unit instead (no per-group step) was tried and
    not kept: the widening alone cost about what streaming the dense copy's bf16 weights costs, so
@@ -280,15 +280,14 @@ static inline void tile_sums(const int8_t *q, int64_t k, const uint8_t *w, int64
 static inline __attribute__((always_inline)) void amx_tile(
         const uint8_t *w, const float *s, const float *z, const Activations *a, const int32_t *start, int64_t k,
         int64_t t, int32_t *sums, void *out, int64_t n, int64_t b, int is_bf16, const int int4) {
-    const int c = TILE_TOKENS;
     __m512 acc[TILE_TOKENS];
-    for (int i = 0; i < c; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < TILE_TOKENS; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < a->groups; g0 += CHUNK_GROUPS) {
         const int64_t count = a->groups - g0 < CHUNK_GROUPS ? a->groups - g0 : CHUNK_GROUPS;
         tile_sums(a->q + t * k, k, w, g0, count, sums);
         for (int64_t g = g0; g < g0 + count; g++) {
             const __m512 sg = _mm512_loadu_ps(s + g * ROWS), zg = int4 ? _mm512_loadu_ps(z + g * ROWS) : sg;
-            for (int i = 0; i < c; i++) {
+            for (int i = 0; i < TILE_TOKENS; i++) {
                 const int64_t v = (t + i) * a->groups + g;
                 const __m512i dot = _mm512_add_epi32(_mm512_set1_epi32(start[v]),
                                                      _mm512_load_si512(sums + (g - g0) * 256 + i * ROWS));
@@ -298,7 +297,7 @@ static inline __attribute__((always_inline)) void amx_tile(
             }
         }
     }
-    for (int i = 0; i < c; i++) store16(out, (t + i) * n + b * ROWS, acc[i], n - b * ROWS, is_bf16);
+    for (int i = 0; i < TILE_TOKENS; i++) store16(out, (t + i) * n + b * ROWS, acc[i], n - b * ROWS, is_bf16);
 }
 
 static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
