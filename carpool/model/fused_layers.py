@@ -13,8 +13,8 @@ It runs steps of up to COMPILE_MIN_TOKENS - 1 tokens, past the quantized matmuls
 (8-16 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused step beat
 the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at 1 decode,
 15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31; `python -m carpool.bench.decode_sweep`;
-a 16-token chunk with 4 decodes: 15.7 vs 25.6 ms, `carpool bench hybrid`; Intel Xeon with AMX,
-2 threads, 2026-12-01). Everything else (bigger steps, fp32, dense weights, tensor parallelism,
+a 16-token step of 4 decodes and a 12-token chunk: 17 vs 31-33 ms, `carpool bench hybrid`;
+Intel Xeon with AMX, 2 threads, 2026-12-01). Everything else (bigger steps, fp32, dense weights, tensor parallelism,
 Qwen3's q/k norms, the profiler's attention hook) runs the eager layers.
 """
 

@@ -8,8 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.core.step_cost import (FEATURES, SMALL_STEP_TOKENS, BatchShape, ChunkSizes, StepCostModel, features,
-                                    nonnegative_least_squares)
+from carpool.core.step_cost import (
+    FEATURES,
+    SMALL_STEP_TOKENS,
+    BatchShape,
+    ChunkSizes,
+    StepCostModel,
+    features,
+    nonnegative_least_squares,
+)
 
 
 def true_time(shape: BatchShape) -> float:
@@ -46,7 +53,7 @@ def test_fit_learns_the_jump_past_small_steps():
     """Steps past the fused path's size pay a fixed cost more (a jump of 10 ms at 32 tokens):
     the fit predicts both sides of it, where tokens alone would smear it over every size."""
     rng = random.Random(2)
-    jump = lambda s: true_time(s) + (0.010 if s.num_tokens >= SMALL_STEP_TOKENS else 0.0)  # noqa: E731
+    jump = lambda s: true_time(s) + (0.010 if s.num_tokens >= SMALL_STEP_TOKENS else 0.0)
     model = StepCostModel()
     for _ in range(600):
         shape = random_shape(rng)
