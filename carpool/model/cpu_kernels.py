@@ -109,7 +109,7 @@ def library() -> ctypes.PyDLL | None:
         "paged_attention_runs": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                  _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
         "fused_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                          _ptr, ctypes.c_int],
+                         _ptr, ctypes.c_int],
     }
     returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
                                                "quant_amx_supported", "fused_layers")}

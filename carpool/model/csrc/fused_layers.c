@@ -45,10 +45,10 @@ static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int6
    and context_lens per run, query_starts NULL for decodes only (a run per token). Returns 0
    when out of memory. */
 int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
-                  const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
-                  const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
-                  const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                  const int64_t *query_starts, int64_t num_runs, const int64_t *slots, int num_threads) {
+                 const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
+                 const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
+                 const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                 const int64_t *query_starts, int64_t num_runs, const int64_t *slots, int num_threads) {
     const int64_t hidden = shape->hidden, dim = shape->head_dim, inter = shape->intermediate;
     const int64_t q_size = shape->num_heads * dim, kv_size = shape->num_kv_heads * dim;
     const int64_t qkv_width = q_size + 2 * kv_size, cache_half = cache_slots * kv_size;
