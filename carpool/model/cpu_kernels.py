@@ -112,7 +112,8 @@ def library() -> ctypes.PyDLL | None:
                          _ptr, ctypes.c_int],
     }
     returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
-                                               "quant_amx_supported", "fused_layers")}
+                                               "quant_amx_supported", "fused_layers", "paged_decode_attention",
+                                               "paged_attention_runs")}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = returns.get(name), argtypes
@@ -144,10 +145,11 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
         assert k.stride(1) == v.stride(1) == dim and k.stride(2) == v.stride(2) == 1
         assert slots.dtype == torch.int64 and slots.is_contiguous()
         new = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
-    library().paged_decode_attention(
+    if not library().paged_decode_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
-        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), *new)
+        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), *new):
+        raise MemoryError("decode attention: no memory for the attention scores")
     return out
 
 
@@ -161,11 +163,12 @@ def paged_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cach
     for t in (block_tables, context_lens, query_starts, slots):
         assert t.dtype == torch.int64 and t.is_contiguous()
     out = torch.empty_like(q)
-    library().paged_attention_runs(
+    if not library().paged_attention_runs(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
         len(context_lens), q.shape[1], cache.shape[2], q.shape[2], block_size, scale, int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
+        torch.get_num_threads(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr()):
+        raise MemoryError("paged attention: no memory for the attention scores")
     return out
 
 

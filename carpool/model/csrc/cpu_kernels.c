@@ -108,16 +108,17 @@ static inline void prefetch_rows(const char *first, int64_t rows, int64_t stride
 /* One run of `nq` consecutive tokens of a sequence (a decode: nq = 1) and one KV head: the
    nq * group query rows (token i's `group` heads, rows q_row apart) against the run's context of
    `len` tokens, causally: token i sees the first len - nq + 1 + i. Each cached row of K and V is
-   read once for every query that sees it (those from i_min on), so a chunk's queries share the
-   passes over its prefix. Blocks are walked block by block, so finding a token's slot needs no
+   read once for all the queries that see it (the rows from `from` on), so a chunk's queries share
+   the passes over its prefix. Returns 0 when out of memory for its scores. Blocks are walked block by block, so finding a token's slot needs no
    division. Always inlined, so the calls below with a constant head_dim and dtype get loops the
    compiler unrolls and vectorises for them. */
-static inline __attribute__((always_inline)) void attend_kv_head(
+static inline __attribute__((always_inline)) int attend_kv_head(
         const char *q, int64_t q_row, char *out, int64_t out_row, int64_t nq, const char *k_head,
         const char *v_head, const int64_t *table, int64_t len, int64_t group, int64_t slot_bytes, int64_t block_size,
         float scale, const int is_bf16, const int64_t dim) {
     const int64_t elem = is_bf16 ? 2 : 4, rows = nq * group, first_run_row = len - nq;
     float *scores = malloc(sizeof(float) * (size_t)(rows * len + (2 * rows + 1) * dim));
+    if (!scores) return 0;
     float *qf = scores + rows * len, *acc = qf + rows * dim, *buf = acc + rows * dim;
     prefetch_rows(k_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
     for (int64_t i = 0; i < nq; i++)
@@ -162,6 +163,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
         for (int64_t g = 0; g < group; g++)
             store_row(out + i * out_row + g * dim * elem, is_bf16, dim, acc + (i * group + g) * dim);
     free(scores);
+    return 1;
 }
 
 /* Runs of queries over their cached contexts, read from the blocks in place.
@@ -172,16 +174,17 @@ static inline __attribute__((always_inline)) void attend_kv_head(
    run r is token r alone (decodes). k_new, v_new (NULL: already in the cache): the tokens' new
    [tokens, kv_heads, head_dim], rows k_stride / v_stride elements apart, written to `slots`
    first: a decode's own task writes the rows it then reads; runs of several tokens, which read
-   each other's rows, have them all written before any is read. */
-void paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                          void *k_cache, void *v_cache, const int64_t *block_tables,
-                          int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
-                          int64_t num_runs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale, int is_bf16, int num_threads,
-                          const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                          const int64_t *slots) {
+   each other's rows, have them all written before any is read. Returns 0 when out of memory. */
+int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                         void *k_cache, void *v_cache, const int64_t *block_tables,
+                         int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
+                         int64_t num_runs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int is_bf16, int num_threads,
+                         const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                         const int64_t *slots) {
     const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t slot_bytes = num_kv_heads * row_bytes;
+    int ok = 1;
     if (k_new && query_starts) {
         const int64_t tokens = query_starts[num_runs];
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 16)
@@ -210,27 +213,33 @@ void paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t ou
             }
 #define ATTEND(bf16, dim) attend_kv_head(qs, q_stride * elem, os, out_stride * elem, nq, k_head, v_head, table, \
                                          context_lens[s], group, slot_bytes, block_size, scale, bf16, dim)
-            if (is_bf16 && head_dim == 64) ATTEND(1, 64);
-            else if (is_bf16 && head_dim == 128) ATTEND(1, 128);
-            else if (!is_bf16 && head_dim == 64) ATTEND(0, 64);
-            else if (!is_bf16 && head_dim == 128) ATTEND(0, 128);
-            else ATTEND(is_bf16, head_dim);
+            int done;
+            if (is_bf16 && head_dim == 64) done = ATTEND(1, 64);
+            else if (is_bf16 && head_dim == 128) done = ATTEND(1, 128);
+            else if (!is_bf16 && head_dim == 64) done = ATTEND(0, 64);
+            else if (!is_bf16 && head_dim == 128) done = ATTEND(0, 128);
+            else done = ATTEND(is_bf16, head_dim);
 #undef ATTEND
+            if (!done) {
+#pragma omp atomic write
+                ok = 0;
+            }
         }
     }
+    return ok;
 }
 
 /* Decodes (one token per sequence): paged_attention_runs with a run per token. */
-void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                            void *k_cache, void *v_cache, const int64_t *block_tables,
-                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int is_bf16, int num_threads,
-                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                            const int64_t *slots) {
-    paged_attention_runs(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_width, context_lens, NULL,
-                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads, k_new,
-                         k_stride, v_new, v_stride, slots);
+int paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                           void *k_cache, void *v_cache, const int64_t *block_tables,
+                           int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int is_bf16, int num_threads,
+                           const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                           const int64_t *slots) {
+    return paged_attention_runs(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_width,
+                                context_lens, NULL, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                is_bf16, num_threads, k_new, k_stride, v_new, v_stride, slots);
 }
 
 /* The small element-wise steps of a decoder layer, bf16 only (fp32 keeps torch's ops: the

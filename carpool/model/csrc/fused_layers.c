@@ -66,10 +66,11 @@ int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const De
         ok = linear(&w->qkv, normed, wide, tokens, hidden, qkv_width, num_threads);
         if (!ok) break;
         rope_bf16(wide, tokens, qkv_width, shape->num_heads + shape->num_kv_heads, dim, cos, sin);
-        paged_attention_runs(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
-                             context_lens, query_starts, query_starts ? num_runs : tokens, shape->num_heads,
-                             shape->num_kv_heads, dim, shape->block_size, shape->scale, 1, num_threads, wide + q_size,
-                             qkv_width, wide + q_size + kv_size, qkv_width, slots);
+        ok = paged_attention_runs(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
+                                  context_lens, query_starts, query_starts ? num_runs : tokens, shape->num_heads,
+                                  shape->num_kv_heads, dim, shape->block_size, shape->scale, 1, num_threads,
+                                  wide + q_size, qkv_width, wide + q_size + kv_size, qkv_width, slots);
+        if (!ok) break;
         ok = linear(&w->o, narrow, delta, tokens, q_size, hidden, num_threads);
         if (!ok) break;
         rms_norm_bf16(stream, delta, out, normed, w->post_attention_norm, tokens, hidden, shape->eps);

@@ -23,20 +23,13 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
 
 int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                      int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
-void paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                            void *k_cache, void *v_cache, const int64_t *block_tables,
-                            int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int is_bf16, int num_threads,
-                            const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                            const int64_t *slots);
-void paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                          void *k_cache, void *v_cache, const int64_t *block_tables,
-                          int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
-                          int64_t num_runs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale, int is_bf16, int num_threads,
-                          const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                          const int64_t *slots);
+int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                         void *k_cache, void *v_cache, const int64_t *block_tables,
+                         int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
+                         int64_t num_runs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int is_bf16, int num_threads,
+                         const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                         const int64_t *slots);
 void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, uint16_t *out,
                    const uint16_t *weight, int64_t rows, int64_t dim, float eps);
 void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
