@@ -29,9 +29,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from carpool.engine import LLMEngine
 from carpool.server import chat, completions
+from carpool.server.engine_process import EngineProcess
 from carpool.server.options import ServerOptions
-from carpool.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, error_body, parse_request)
+from carpool.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    parse_request,
+)
 from carpool.server.serving import ClientDisconnected, ServingContext
 
 log = logging.getLogger("carpool.server")
@@ -133,19 +141,17 @@ def _body(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
-               engine_thread: bool = True) -> FastAPI:
-    """The ASGI app over `engine`. With `engine_thread` its lifespan runs the engine loop on a
-    background thread (embedding, tests); without it, the caller runs
-    `app.state.ctx.async_engine.run()` itself, on the main thread (launch.py). Either way the
-    lifespan's end stops the loop; with a thread it also stops the engine's workers."""
+def create_app(engine: LLMEngine | EngineProcess, options: ServerOptions | None = None) -> FastAPI:
+    """The ASGI app over `engine`: an LLMEngine, whose loop the lifespan runs on a background
+    thread (embedding, tests), or an EngineProcess (`carpool serve`). The lifespan's end stops
+    the loop, and with a thread the engine's workers too."""
     options = options or ServerOptions()
     ctx = ServingContext(engine, options)
+    engine_thread = isinstance(engine, LLMEngine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if engine_thread:
-            ctx.async_engine.start()
+        ctx.async_engine.start()  # the engine loop's thread, or reading the engine process's pipe
         try:
             yield
         finally:
@@ -244,7 +250,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None, *,
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = ctx.metrics.render()
+        body, content_type = await ctx.render_metrics()
         return Response(body, media_type=content_type)
 
     return app

@@ -105,6 +105,9 @@ class RequestRejectedError(ValueError):
         super().__init__(message)
         self.index = index
 
+    def __reduce__(self):  # it crosses the engine process's pipe
+        return type(self), (self.index, str(self))
+
 
 class RequestFailedError(RuntimeError):
     """add_request failed with something other than a ValueError: a server-side fault."""
@@ -380,13 +383,14 @@ class AsyncLLMEngine:
         else:
             self._routes[cmd.request_id] = (cmd.group, cmd.index)
             error = None
-        self._call(cmd.group, cmd.group._on_added, cmd.index, error)
+        self._call(cmd.group, "_on_added", cmd.index, error)
 
     def _loop(self) -> None:
         torch.set_num_threads(self._torch_threads)
         engine = self.engine
         try:
             while True:
+                self._flush()
                 commands = self._take_commands()
                 if self._stop:
                     self._fail_all(EngineDeadError("the server is shutting down"), commands)
@@ -417,9 +421,11 @@ class AsyncLLMEngine:
             with self._cond:
                 commands, self._commands = self._commands, []
             self._fail_all(EngineDeadError(self.dead_message()), commands)
+        finally:
+            self._flush()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_group: dict[int, tuple[RequestGroup, list]] = {}
+        by_group: dict[RequestGroup, list] = {}
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:
@@ -429,13 +435,13 @@ class AsyncLLMEngine:
                 del self._routes[out.request_id]
             if out.error:
                 log.error("request %s failed: %s", out.request_id, out.error)
-            by_group.setdefault(id(group), (group, []))[1].append((index, out))
-        for group, items in by_group.values():
-            self._call(group, group._deliver, items)
+            by_group.setdefault(group, []).append((index, out))
+        for group, items in by_group.items():
+            self._call(group, "_deliver", items)
 
     def _fail_all(self, error: BaseException, pending: list[_Add | _Abort]) -> None:
-        groups = {id(g): g for g, _ in self._routes.values()}
-        groups.update({id(c.group): c.group for c in pending if isinstance(c, _Add)})
+        groups = {g: None for g, _ in self._routes.values()}
+        groups.update({c.group: None for c in pending if isinstance(c, _Add)})
         for request_id in list(self._routes):  # free their blocks if the engine still can
             try:
                 self.engine.abort_request(request_id)
@@ -444,9 +450,13 @@ class AsyncLLMEngine:
         self._routes.clear()
         with self._cond:
             self._num_pending_adds = 0
-        for group in groups.values():
-            self._call(group, group._fail, error)
+        for group in groups:
+            self._call(group, "_fail", error)
 
-    @staticmethod
-    def _call(group: RequestGroup, fn, *args) -> None:
-        group._waker.call(fn, *args)
+    def _call(self, group: RequestGroup, method: str, *args) -> None:
+        """Run `group.<method>(*args)` on the group's event loop (engine_process overrides this
+        to send it to the frontend process instead)."""
+        group._waker.call(getattr(group, method), *args)
+
+    def _flush(self) -> None:
+        """Hook: everything `_call` queued in this iteration is ready to go (engine_process)."""

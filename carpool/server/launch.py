@@ -1,23 +1,22 @@
-"""The `carpool serve` process: the engine loop on the main thread, uvicorn on a thread beside it.
+"""The `carpool serve` processes: the engine in one (its main thread runs the step loop), the
+HTTP frontend in this one (uvicorn on the main thread), talking over a pipe (engine_process.py).
 
-torch's OpenMP pool is fastest driven from the main thread: the same decode loop measured 1.4x
-(AMD EPYC) to 2x (Intel Xeon, 61.8 vs 31.5 ms per step, BENCHMARKS.md) slower on any other
-thread (its workers then wake as if OMP_WAIT_POLICY were PASSIVE, once per parallel region,
-~1,000 regions per step). So the main thread runs
-`AsyncLLMEngine.run()`, and uvicorn, which only moves requests in and tokens out, runs its
-event loop on a second thread. Signals land on the main thread: SIGTERM/SIGINT ask uvicorn to
-stop accepting, drain in-flight requests for up to --shutdown-timeout seconds, and run the app's
-lifespan end, which stops the engine loop; then the engine's workers are stopped and the
-process exits 0.
+The engine's step loop is fastest on a main thread: torch's OpenMP pool then stays hot (the same
+decode loop measured 1.4x (AMD EPYC) to 2x (Intel Xeon) slower per step on any other thread).
+In its own process it also keeps the frontend's per-token Python off its GIL, so that work runs
+beside the step instead of inside it. uvicorn handles the signals here: SIGTERM/SIGINT stop
+accepting, drain in-flight requests for up to --shutdown-timeout seconds, and run the app's
+lifespan end, which stops the engine process; then this process exits 0. If the engine process
+dies, /health turns 503 and requests fail with a clear error until the frontend is stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import signal
 import sys
-import threading
 
 from carpool.config import EngineConfig
 from carpool.server.options import ServerOptions
@@ -34,44 +33,41 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def run_server(config: EngineConfig, options: ServerOptions) -> int:
+def _uvicorn_server_class():
     import uvicorn
 
-    from carpool.engine import LLMEngine
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """run_server's handlers stop it instead: uvicorn's would re-raise the signal once
+            drained, and a SIGTERM would then kill the process instead of exiting 0."""
+            yield
+
+    return Server
+
+
+def run_server(config: EngineConfig, options: ServerOptions) -> int:
+    import torch
+    import uvicorn
+
     from carpool.server.app import create_app
+    from carpool.server.engine_process import EngineProcess
 
-    engine = LLMEngine(config)
-    app = create_app(engine, options, engine_thread=False)
-    async_engine = app.state.ctx.async_engine
-    freeze_startup_objects()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
-        access_log=not options.disable_uvicorn_access_log, lifespan="on",
-        timeout_graceful_shutdown=options.shutdown_timeout))
-
-    def serve() -> None:
-        try:
-            server.run()
-        finally:  # however uvicorn ends (stopped, or failed to bind), the engine loop ends too
-            async_engine.stop()
-
-    def request_stop(signum, frame) -> None:
-        server.should_exit = True
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    http = threading.Thread(target=serve, name="carpool-http", daemon=True)
+    engine = EngineProcess(config, options.model_names(config.model)[0], options.max_waiting_requests,
+                           options.metrics_namespace)
     try:
-        http.start()
+        torch.set_num_threads(1)  # the frontend runs no kernels; the engine process owns the cores
+        app = create_app(engine, options)
+        freeze_startup_objects()
+        server = _uvicorn_server_class()(uvicorn.Config(
+            app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
+            access_log=not options.disable_uvicorn_access_log, lifespan="on",
+            timeout_graceful_shutdown=options.shutdown_timeout))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
         print(f"carpool: serving {app.state.ctx.model_name!r} on http://{options.host}:{options.port}/v1",
               file=sys.stderr, flush=True)
-        async_engine.run()  # returns once the lifespan ends or the engine dies
-        if async_engine.error is not None:  # keep answering 503s until asked to stop
-            while http.is_alive():
-                http.join(0.5)
-        http.join()
-    finally:
-        server.should_exit = True
-        engine.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        server.run()
+    finally:  # however uvicorn ended (stopped, or failed to bind), the engine process ends too
+        engine.stop()
     return 0 if server.started else 1

@@ -30,12 +30,21 @@ from fastapi.responses import Response, StreamingResponse
 from carpool.engine import LLMEngine
 from carpool.outputs import Logprob
 from carpool.sampling_params import SamplingParams, StructuredOutputsParams
-from carpool.structured.grammar import GrammarError
-from carpool.server.async_engine import (AsyncLLMEngine, Delta, EngineDeadError, EngineOverloadedError,
-                                         RequestFailedError, RequestGroup, RequestRejectedError)
+from carpool.server.async_engine import (
+    AsyncLLMEngine,
+    Delta,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestGroup,
+    RequestRejectedError,
+)
+from carpool.server.engine_process import EngineInfo, EngineProcess
 from carpool.server.metrics import ServerMetrics
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
+from carpool.structured import StructuredOutputs
+from carpool.structured.grammar import GrammarError
 from carpool.tools.parsers import get_tool_parser
 from carpool.tools.template import apply_chat_template
 
@@ -138,29 +147,43 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
 class ServingContext:
     """The engine, tokenizer and limits every endpoint needs, and the shared request path."""
 
-    def __init__(self, engine: LLMEngine, options: ServerOptions):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | EngineProcess, options: ServerOptions):
         self.options = options
-        self.served_model_names = options.model_names(engine.config.model)
+        if isinstance(engine, EngineProcess):  # carpool serve: the engine's own metrics, over the pipe
+            info = engine.info
+            self.metrics = None
+            self.async_engine: AsyncLLMEngine | EngineProcess = engine
+            self.tokenizer = info.tokenizer  # a copy, unpickled here
+            self.structured = StructuredOutputs(info.tokenizer, info.vocab_size, info.eos_token_ids)
+        else:  # the engine on a thread of this process (embedding, tests)
+            info = EngineInfo.of(engine)
+            self.metrics = ServerMetrics(options.model_names(info.model)[0], info.max_model_len,
+                                         namespace=options.metrics_namespace)
+            self.metrics.set_cache_config(info.num_blocks, info.block_size)
+            self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
+            # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own
+            # copy, so that the two threads never share one tokenizer object.
+            try:
+                self.tokenizer = copy.deepcopy(engine.tokenizer)
+            except Exception:  # pragma: no cover - tokenizers that cannot be copied
+                self.tokenizer = engine.tokenizer
+            self.structured = engine.structured
+        self.served_model_names = options.model_names(info.model)
         self.model_name = self.served_model_names[0]
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         # What a request leaves unset comes from the model's generation_config.json (as in vLLM).
-        self.sampling_defaults = engine.default_sampling_params()
-        # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own
-        # copy, so that the two threads never share one tokenizer object.
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:  # pragma: no cover - tokenizers that cannot be copied
-            self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics(self.model_name, self.max_model_len, namespace=options.metrics_namespace)
-        self.metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
-        self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
+        self.sampling_defaults = info.sampling_defaults
         self.created = int(time.time())
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
         self._warned_fields: set[str] = set()
         self.chat_template = options.chat_template_text()
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        if self.metrics is not None:
+            return self.metrics.render()
+        return await self.async_engine.render_metrics()
 
     def close(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
@@ -270,7 +293,7 @@ class ServingContext:
             return None
         params, param = req.structured
         try:
-            self.engine.structured.matcher(params)
+            self.structured.matcher(params)
         except GrammarError as exc:
             raise APIError(f"{param}: {exc.reason}", param=param) from None
         return params

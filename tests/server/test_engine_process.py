@@ -1,0 +1,103 @@
+"""`carpool serve`'s process layout: the engine in its own process, the frontend over a pipe.
+A killed engine process fails its in-flight requests with a clear error and turns /health 503;
+the frontend stays up to say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server.test_server_sigterm import free_port
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--dtype", "float32",
+           "--num-threads", "1", "--kv-cache-memory", "64MiB", "--uvicorn-log-level", "warning",
+           "--disable-uvicorn-access-log", "--shutdown-timeout", "2", *flags]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if p.poll() is not None:
+            pytest.fail(f"carpool serve exited with {p.returncode}:\n{p.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return p, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            p.kill()
+            pytest.fail("carpool serve did not become healthy")
+        time.sleep(0.2)
+
+
+def engine_pid(frontend: subprocess.Popen) -> int:
+    engines = [c for c in psutil.Process(frontend.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(engines) == 1, engines  # beside it only multiprocessing's resource tracker
+    return engines[0].pid
+
+
+@pytest.fixture
+def server():
+    p, url = start_server()
+    yield p, url
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def test_two_processes_and_the_engine_process_ends_with_the_frontend(server):
+    p, url = server
+    pid = engine_pid(p)
+    out = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}).json()
+    assert out["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(url + "/metrics").text  # recorded in the engine process, served by the frontend
+    assert "generation_tokens_total" in metrics
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_killed_engine_process_fails_in_flight_requests_and_health_turns_503(server):
+    p, url = server
+    chunks: list[dict] = []
+    errors: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                errors.append(f"HTTP {r.status_code}: {r.read()!r}")
+                started.set()
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunk = json.loads(line[5:])
+                    (errors.append(chunk["error"]["message"]) if "error" in chunk else chunks.append(chunk))
+                    started.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert started.wait(60) and chunks, errors
+    os.kill(engine_pid(p), signal.SIGKILL)
+    reader.join(30)
+    assert not reader.is_alive()
+    assert len(chunks) < 1000
+    assert errors and "engine" in errors[0]  # the stream ends with a clear error, not a hang
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert p.poll() is None  # the frontend keeps answering until it is stopped
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
