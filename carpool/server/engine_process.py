@@ -1,10 +1,10 @@
 """The engine in its own process, the HTTP frontend in another (vLLM v1's split).
 
-In one process the HTTP thread's per-token Python (the event loop, SSE chunks, socket writes)
-needs the GIL: it took it whenever the engine thread let go between torch calls, so it ran in
-the middle of every step, ~0.3 ms of a 4 ms batch-1 step (BENCHMARKS.md). Here the engine
-process's main thread runs nothing but the step loop (torch's OpenMP pool stays hot), and the
-frontend's work runs in parallel on its own interpreter.
+With the frontend on a thread of the engine's process, its per-token Python (the event loop,
+SSE chunks, socket writes) needed the GIL, and took it whenever the engine thread let go between
+torch calls: the Python part of a batch-1 step measured ~0.3 ms longer served than in process
+(BENCHMARKS.md, "The engine in its own process"). Here the engine process's main thread runs
+nothing but the step loop, and the frontend has its own interpreter.
 
 Wire: one duplex `multiprocessing` pipe.
 - frontend -> engine: ("add", [(group key, index, request id, prompt ids, params, arrival)]),
@@ -13,7 +13,7 @@ Wire: one duplex `multiprocessing` pipe.
   key, method, args)], num waiting, num aborted) -- the same group calls the in-process loop
   makes on the event loop -- and ("metrics", token, body, content type) answers.
 
-Faults: the engine process dies (killed, crashed) -> the frontend's reader sees the pipe close,
+Faults: the engine process dies (killed, crashed) -> the frontend's event loop sees the pipe close,
 fails every live request with EngineDeadError and /health turns 503. The frontend dies -> the
 engine's reader sees the pipe close and stops the loop; the process exits.
 """

@@ -3,8 +3,8 @@ HTTP frontend in this one (uvicorn on the main thread), talking over a pipe (eng
 
 The engine's step loop is fastest on a main thread: torch's OpenMP pool then stays hot (the same
 decode loop measured 1.4x (AMD EPYC) to 2x (Intel Xeon) slower per step on any other thread).
-In its own process it also keeps the frontend's per-token Python off its GIL, so that work runs
-beside the step instead of inside it. uvicorn handles the signals here: SIGTERM/SIGINT stop
+In its own process it also keeps the frontend's per-token Python off its GIL (on two cores the
+two processes and the client still share the cores: BENCHMARKS.md). uvicorn handles the signals here: SIGTERM/SIGINT stop
 accepting, drain in-flight requests for up to --shutdown-timeout seconds, and run the app's
 lifespan end, which stops the engine process; then this process exits 0. If the engine process
 dies, /health turns 503 and requests fail with a clear error until the frontend is stopped.
