@@ -8,37 +8,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.server.test_server_sigterm import free_port
-
-
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--dtype", "float32",
-           "--num-threads", "1", "--kv-cache-memory", "64MiB", "--uvicorn-log-level", "warning",
-           "--disable-uvicorn-access-log", "--shutdown-timeout", "2", *flags]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if p.poll() is not None:
-            pytest.fail(f"carpool serve exited with {p.returncode}:\n{p.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return p, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            p.kill()
-            pytest.fail("carpool serve did not become healthy")
-        time.sleep(0.2)
+from tests.server.serve_process import start_serve
 
 
 def engine_pid(frontend: subprocess.Popen) -> int:
@@ -49,7 +25,8 @@ def engine_pid(frontend: subprocess.Popen) -> int:
 
 @pytest.fixture
 def server():
-    p, url = start_server()
+    p, url = start_serve("--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                         "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", "--shutdown-timeout", "2")
     yield p, url
     if p.poll() is None:
         p.kill()

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,42 +11,22 @@ import httpx
 import openai
 import pytest
 
+from tests.server.serve_process import start_serve
+
 KEY = "sekret"
 SHUTDOWN_TIMEOUT = 4.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def proc():
-    port = free_port()
-    cmd = [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--served-model-name", "tiny", "alias", "--dtype", "float32", "--num-threads", "1",
-           "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-           # a typical `vllm serve` command line's flags: honoured, mapped or ignored with a warning
-           "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
-           "--disable-log-requests", "--enable-chunked-prefill", "--generation-config", "auto",
-           "--allowed-origins", '["http://localhost:3000"]', "--max-log-len", "100", "--disable-log-stats"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if p.poll() is not None:
-            pytest.fail(f"carpool serve exited with {p.returncode}:\n{p.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            p.kill()
-            pytest.fail("carpool serve did not become healthy")
-        time.sleep(0.2)
+    p, url = start_serve(
+        "--api-key", KEY, "--served-model-name", "tiny", "alias", "--dtype", "float32", "--num-threads", "1",
+        "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+        "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+        # a typical `vllm serve` command line's flags: honoured, mapped or ignored with a warning
+        "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
+        "--disable-log-requests", "--enable-chunked-prefill", "--generation-config", "auto",
+        "--allowed-origins", '["http://localhost:3000"]', "--max-log-len", "100", "--disable-log-stats")
     yield p, url
     if p.poll() is None:
         p.kill()
