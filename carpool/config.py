@@ -41,11 +41,22 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "half": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model: str | None = None, quantization: str = "none"
+                  ) -> torch.dtype:
+    """'auto' on CPU: bf16 where bf16 GEMMs are fast; also where they are not (AVX2 alone) for a
+    GGUF checkpoint that runs quantized on carpool's C kernels (quantization 'auto' or a mode):
+    its linears then multiply integers and bf16 only stores the activations, at half fp32's
+    bytes. Otherwise fp32."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        if cpu_has_fast_bf16():
+            return torch.bfloat16
+        from carpool.model import cpu_kernels
+
+        quantized_gguf = (quantization != "none" and model is not None and Path(model).suffix == ".gguf"
+                          and cpu_kernels.has_quantized_matmul())
+        return torch.bfloat16 if quantized_gguf else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
     return _DTYPES[name]

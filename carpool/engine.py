@@ -55,7 +55,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.model, config.quantization)
         self.executor: Executor = make_executor(config, self.device, self.dtype)
         try:
             self._init_after_model(config)

@@ -29,15 +29,18 @@ import torch
 from torch import nn
 
 from carpool.model.llama import DecoderLayer, LlamaModel
-from carpool.model.quant import QuantizedLinear
+from carpool.model.quant import EVERY_SIZE, QuantizedLinear
 
 COMPILED = ("before_attention", "after_attention")
 COMPILE_MIN_TOKENS = 32
 
 
 def can_compile(model: LlamaModel) -> bool:
-    """Tensor-parallel layers all-reduce inside `after_attention`: those stay eager."""
-    return model.tp.size == 1
+    """Tensor-parallel layers all-reduce inside `after_attention`: those stay eager. So do models
+    whose quantized kernels win at every size (AVX2 alone): a compiled graph would run the dense
+    copies instead (the C kernels are ctypes calls, which a graph cannot hold)."""
+    return model.tp.size == 1 and not any(isinstance(m, QuantizedLinear) and m.kernel is not None
+                                          and m.max_quantized_tokens == EVERY_SIZE for m in model.modules())
 
 
 class CompiledAbove:

@@ -221,7 +221,7 @@ def has_amx() -> bool:
 
 
 def has_quantized_matmul() -> bool:
-    """Whether the int4/int8 VNNI products run here (AVX-512 VNNI, the library built)."""
+    """Whether the int4/int8 integer products run here (AVX-512 VNNI or AVX2, the library built)."""
     lib = library()
     return lib is not None and bool(lib.quant_gemv_supported())
 

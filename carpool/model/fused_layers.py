@@ -2,7 +2,7 @@
 
 At a few tokens an eager layer is ten C kernels separated by Python: module calls, views and
 output tensors, ~1,000 calls per step that together cost more than reading the weights. Where
-every layer can run the C kernels (bf16 on a CPU with AVX-512 VNNI, all linears quantized),
+every layer can run the C kernels (bf16 on a CPU with AVX-512 VNNI or AVX2, all linears quantized),
 a step runs them in the same order from one call. Decode-only steps equal the eager layers
 with the quantized kernels exactly. Steps with prefill chunks (Sarathi's hybrid steps) attend
 as runs of queries (attention.QueryRuns): each chunk token computes exactly what it would as a

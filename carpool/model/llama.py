@@ -8,6 +8,7 @@ each projection (Megatron-style), so parallelism needs no second model class.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -162,8 +163,20 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere
+    (AVX2 alone) the reorder raises, and bf16 linears stay plain torch ones."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class TensorParallel:

@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers on CPU (`--quantization int8|int4`).
 
-In bf16 on a CPU with AVX-512 VNNI, carpool's C kernels run them (csrc/quant_gemv.c:
+In bf16 on a CPU with AVX-512 VNNI or AVX2, carpool's C kernels run them (csrc/quant_gemv.c:
 activations quantized to int8 per group of 32, integer dot products; 1.4-1.9x faster than
 torch's kernels at one token, BENCHMARKS.md) in GGUF's own forms, with fp16 scales per group of
 32 input channels: int8 as Q8_0 (w = code * scale), int4 as Q4_1 (w = code * scale + min).
@@ -17,7 +17,8 @@ weights for small token counts (decode) and a bf16 copy *of the dequantized weig
 ones (prefill chunks), one function whichever kernel runs. Dequantizing on the fly instead costs more
 than the bf16 GEMM itself (576x49152 LM head: ~48 ms to widen vs ~1 ms to multiply one row).
 The crossover is measured per weight shape when the runner is built (`choose_kernels`, ~0.2 s):
-it moves with the CPU (AMX makes bf16 strong; without it the quantized kernels win further).
+it moves with the CPU (AMX makes bf16 strong; without it the quantized kernels win further, and
+on AVX2 alone, where torch emulates bf16 GEMMs, at every size).
 Being measured, it can differ between runs on a busy host; outputs then differ by rounding
 (`--quantization none` for bit-reproducible runs).
 """
@@ -120,7 +121,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, mode: str, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE,
                  c_kernel: bool = True):
         """c_kernel: run carpool's C kernel where it can: bf16 (fp32 stays the reference arithmetic:
-        the C kernel rounds activations to int8), AVX-512 VNNI. False: torch's, as `bench quant`
+        the C kernel rounds activations to int8), AVX-512 VNNI or AVX2. False: torch's, as `bench quant`
         times it."""
         super().__init__()
         w = linear.weight.detach().float()
@@ -210,6 +211,11 @@ CANDIDATE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # The quantized kernel must win by this much: near-ties are where timing noise would flip the
 # choice from run to run (and with it the rounding of the outputs) for no speed.
 MIN_GAIN = 0.1
+# Where the quantized kernel still wins once the dense one takes this long (both then scale with
+# the tokens: on AVX2 alone, where bf16 GEMMs are emulated, at every size), the sweep stops and
+# the kernel runs at every size.
+SWEEP_SECONDS = 0.02
+EVERY_SIZE = 1 << 62
 
 
 def elapsed(fn) -> float:
@@ -220,7 +226,7 @@ def elapsed(fn) -> float:
 
 def measure_crossover(layers: list[QuantizedLinear], rounds: int = 3, max_layers: int = 8) -> int:
     """The largest token count (a power of two, or 0) at which the quantized kernel beats the
-    dense one by MIN_GAIN. Timed over up to `max_layers` of `layers` (one shape) in turn, so
+    dense one by MIN_GAIN, or EVERY_SIZE where it wins as far as the sweep goes. Timed over up to `max_layers` of `layers` (one shape) in turn, so
     weights come from memory as in a forward pass rather than from a hot cache; best of `rounds`,
     the two kernels interleaved so that a burst of load on a busy host hits both."""
     layers = layers[:max_layers]
@@ -236,9 +242,11 @@ def measure_crossover(layers: list[QuantizedLinear], rounds: int = 3, max_layers
             for _ in range(rounds):
                 tq, td = min(tq, elapsed(quant)), min(td, elapsed(dense))
             if tq > (1 - MIN_GAIN) * td:
-                break
+                return best
             best = m
-    return best
+            if td > SWEEP_SECONDS:
+                break
+    return EVERY_SIZE
 
 
 def choose_kernels(model: nn.Module) -> dict[tuple[str, int, int], int]:
@@ -257,5 +265,5 @@ def choose_kernels(model: nn.Module) -> dict[tuple[str, int, int], int]:
         for layer in layers:
             layer.max_quantized_tokens = chosen[key]
     log.info("quantized kernels up to N tokens, dense above (measured in %.2f s): %s", time.perf_counter() - t,
-             ", ".join(f"{mode} {k}x{n}: {v}" for (mode, k, n), v in chosen.items()))
+             ", ".join(f"{mode} {k}x{n}: {'all' if v == EVERY_SIZE else v}" for (mode, k, n), v in chosen.items()))
     return chosen

@@ -5,6 +5,7 @@ with fp32, perplexity on a fixed public-domain text) against bf16."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from carpool import config
 from carpool.bench.synthetic import SyntheticBatches
+from carpool.config import resolve_dtype
 from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
+from carpool.model.compiled import can_compile
+from carpool.model.llama import TensorParallel
 from carpool.model.loader import open_gguf, resolve_quantization
-from carpool.model.quant import (QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
-                                 quantize_int8, quantize_linears, quantize_q4_1)
+from carpool.model.quant import (
+    EVERY_SIZE,
+    QuantizedLinear,
+    check_quantization,
+    dequantize_int4,
+    measure_crossover,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+    quantize_q4_1,
+)
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
 
@@ -89,7 +103,7 @@ def test_kernel_and_dense_copy_compute_the_dequantized_weights(kernel, mode, dty
 def test_c_kernel_equals_its_arithmetic_at_any_shape(mode, n, groups, tokens, bf16, seed):
     """Partial blocks of 16 rows, odd group counts, token tiles of 4 and their remainders."""
     if not cpu_kernels.has_quantized_matmul():
-        pytest.skip("no AVX-512 VNNI (or no C compiler) here")
+        pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here")
     dtype = torch.bfloat16 if bf16 else torch.float32  # of x and out: the kernel takes both
     base = linear(n, 32 * groups, seed=seed)
     q = QuantizedLinear(base, mode, torch.bfloat16).to(torch.bfloat16)
@@ -170,6 +184,45 @@ def test_resolve_quantization(model_path, reader):
         check_quantization("int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization"):
         LLMEngine(model=model_path, quantization="int3")
+
+
+def test_auto_dtype_is_bf16_for_a_quantized_gguf_even_without_fast_bf16(monkeypatch, model_path):
+    """On AVX2 alone torch emulates bf16 GEMMs, but a quantized GGUF's linears run on the integer
+    kernels, so bf16 only stores activations there; anything else stays fp32 on such a CPU."""
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    kernels = cpu_kernels.has_quantized_matmul()
+    assert resolve_dtype("auto", CPU, model_path, "auto") == (torch.bfloat16 if kernels else torch.float32)
+    assert resolve_dtype("auto", CPU, model_path, "none") == torch.float32
+    assert resolve_dtype("auto", CPU, "an/hf-folder", "auto") == torch.float32
+    assert resolve_dtype("float32", CPU, model_path, "auto") == torch.float32
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", CPU, "an/hf-folder", "none") == torch.bfloat16
+
+
+class Slow(nn.Module):
+    """A linear that takes 30 ms whatever the size, as an emulated bf16 GEMM is slow at any."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return self.fn(x)
+
+
+def test_crossover_stops_where_measuring_gets_slow_and_keeps_the_winner():
+    q = QuantizedLinear(linear(32, 64), "int8", torch.bfloat16).to(torch.bfloat16)
+    quantized, dense = q.quantized, q.dense
+    q.dense = Slow(dense)  # the kernel wins, and the dense one is past SWEEP_SECONDS at once
+    assert measure_crossover([q]) == EVERY_SIZE
+    q.max_quantized_tokens = EVERY_SIZE
+    model = nn.ModuleDict({"proj": q})
+    model.tp = TensorParallel()
+    # a compiled graph would run the dense copy: a model whose kernels win everywhere stays eager
+    assert can_compile(model) == (q.kernel is None)
+    q.dense, q.quantized = dense, Slow(quantized)
+    assert measure_crossover([q]) == 0
 
 
 def test_lm_head_stays_int8_under_int4():

@@ -34,27 +34,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#include <immintrin.h>
 #endif
-
-int quant_gemv_supported(void) {
-#ifdef HAVE_VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-#ifdef HAVE_VNNI
 
 #define GROUP 32
 #define ROWS 16 /* output rows per block: one zmm lane each */
 #define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
+
 #define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
 #ifndef AMX_FROM_TOKENS
 #define AMX_FROM_TOKENS TILE_TOKENS  /* `carpool bench quant`; BENCHMARKS.md "Hybrid steps in one C call" */
-#endif
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 4096
 #endif
 
 /* The activations of one call: x ~ q * scale per group of 32. */
@@ -65,6 +56,20 @@ typedef struct {
     int32_t *qsum;  /* [tokens, groups]: the sum of q over the group (the codes' offsets) */
     int64_t groups;
 } Activations;
+
+int quant_gemv_supported(void) {
+#if defined(HAVE_VNNI) || defined(HAVE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_VNNI
+
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
 
 static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
     if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
@@ -353,6 +358,173 @@ static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_
 
 #endif
 
+#ifdef HAVE_AVX2
+/* AVX2 without AVX-512 (e.g. AMD Zen 1-3): the same weight layout and arithmetic, each block of 16
+   rows taken as two halves of 8 (a ymm lane per row), and vpdpbusd as vpmaddubsw (u8 x s8 pairs
+   to saturating int16) then vpmaddwd by ones (int16 pairs to int32). int4's codes (0..15) times
+   activations (-127..127) stay below the saturation even summed in int16 over a group's 8 quads
+   (8 x 2 x 15 x 127 = 30,480), so a group costs one widening; int8's offset codes (0..255) would
+   saturate, so they are multiplied as signed codes by sign-adjusted activations, |w| x sign(x, w)
+   (llama.cpp's trick), each quad widened on its own and no offset taken back out. The outputs
+   differ from the VNNI kernel's only in the order of the activations' fp32 sums. */
+
+static inline __m256 load8(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float max8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t sum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
+    a->groups = k / GROUP;
+    const int64_t values = tokens * a->groups;
+    char *mem = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)values + (size_t)(tokens * k));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sum = a->scale + values;
+    a->qsum = (int32_t *)(a->sum + values);
+    a->q = (int8_t *)(a->qsum + values);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t v = 0; v < values; v++) {
+        const int64_t i = v * GROUP;
+        __m256 f[4];
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) f[j] = load8(x, i + 8 * j, is_bf16);
+        const __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+        const float top = max8(top8);
+        const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
+        /* 32 int32 to 32 int8 (saturating, as the VNNI kernel's cvtsepi32), back in order: the
+           packs interleave 128-bit lanes, the permutation undoes it. */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(a->q + i),
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        a->scale[v] = top / 127.f;
+        a->sum[v] = sum8(_mm256_add_ps(_mm256_add_ps(f[0], f[1]), _mm256_add_ps(f[2], f[3])));
+        a->qsum[v] = sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    }
+    return 1;
+}
+
+/* 8 rows (`live` of them real) of one token's output. */
+static inline void store8(void *out, int64_t i, __m256 v, int64_t live, int is_bf16) {
+    float rows[8];
+    if (!is_bf16 && live >= 8) {
+        _mm256_storeu_ps((float *)out + i, v);
+        return;
+    }
+    _mm256_storeu_ps(rows, v);
+    for (int64_t r = 0; r < live && r < 8; r++) {
+        if (is_bf16) ((uint16_t *)out)[i + r] = float_to_bf16(rows[r]);
+        else ((float *)out)[i + r] = rows[r];
+    }
+}
+
+/* Half `h` (rows 8h..8h+7) of one block of an int4 weight against `tn` tokens from t0. Each group
+   holds 4 chunks of 64 bytes, row r's 4 channels at 4r; a half is 32 bytes of each chunk. */
+static inline __attribute__((always_inline)) void int4_half(
+        const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
+        int64_t k, int64_t t0, const int tn, int h, __m256 acc[TILE]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        const uint8_t *packed = codes + g * 256 + 32 * h;
+        __m256i w[8];
+        for (int j = 0; j < 4; j++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(packed + j * 64));
+            w[j] = _mm256_and_si256(p, nibble);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+        }
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8 * h)));
+        const __m256 z = _mm256_fmadd_ps(_mm256_set1_ps(8.f), s,
+                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS + 8 * h))));
+        for (int t = 0; t < tn; t++) {
+            const int64_t v = (t0 + t) * a->groups + g;
+            int32_t quads[8];
+            memcpy(quads, a->q + (t0 + t) * k + g * GROUP, sizeof quads);
+            __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quads[0]));
+            for (int j = 1; j < 8; j++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(quads[j])));
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(-8 * a->qsum[v]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(a->scale[v])), acc[t]);
+            acc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(a->sum[v]), acc[t]);
+        }
+    }
+}
+
+/* Half `h` of one block of an int8 weight (codes + 128: 8 chunks of 64 bytes per group). */
+static inline __attribute__((always_inline)) void int8_half(
+        const uint8_t *codes, const uint16_t *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
+        int h, __m256 acc[TILE]) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        __m256i w[8], magnitude[8];
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + g * 512 + j * 64 + 32 * h)), offset);
+            magnitude[j] = _mm256_abs_epi8(w[j]);
+        }
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8 * h)));
+        for (int t = 0; t < tn; t++) {
+            int32_t quads[8];
+            memcpy(quads, a->q + (t0 + t) * k + g * GROUP, sizeof quads);
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(quads[j]), w[j]);
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[j], x), ones));
+            }
+            const __m256 dx = _mm256_set1_ps(a->scale[(t0 + t) * a->groups + g]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, dx), acc[t]);
+        }
+    }
+}
+
+static int avx2_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                       int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
+    Activations a;
+    if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
+    const int64_t halves = 2 * ((n + ROWS - 1) / ROWS);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < halves; u++) {
+        const int64_t b = u / 2, first = b * a.groups * ROWS, row = b * ROWS + (u % 2) * 8;
+        const int h = (int)(u % 2);
+        if (row >= n) continue;
+        for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+            __m256 acc[TILE];
+            const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;
+#define HALF(tn) (min ? int4_half(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, h, acc) \
+                      : int8_half(codes + first * GROUP, scale + first, &a, k, t0, tn, h, acc))
+            if (tn == 4) HALF(4);
+            else if (tn == 3) HALF(3);
+            else if (tn == 2) HALF(2);
+            else HALF(1);
+#undef HALF
+            for (int64_t t = 0; t < tn; t++) store8(out, (t0 + t) * n + row, acc[t], n - row, is_bf16);
+        }
+    }
+    free(a.scale);
+    return 1;
+}
+
+#endif
+
 int quant_amx_supported(void) {
 #ifdef HAVE_AMX
     return amx_permitted();
@@ -387,6 +559,9 @@ int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const ui
     }
     free(a.scale);
     return 1;
+#elif defined(HAVE_AVX2)
+    (void)amx_from;
+    return avx2_matmul(codes, scale, min, x, out, tokens, k, n, is_bf16, num_threads);
 #else
     (void)x, (void)codes, (void)scale, (void)min, (void)out, (void)tokens, (void)k, (void)n, (void)is_bf16;
     (void)num_threads, (void)amx_from;
