@@ -14,6 +14,7 @@ from carpool.engine import LLMEngine
 from carpool.model import compiled as compiled_module
 from carpool.model.compiled import COMPILE_MIN_TOKENS, CompiledAbove
 from carpool.model.loader import load_model
+from carpool.model.quant import QuantizedLinear
 from carpool.model_runner import ModelRunner
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
@@ -26,7 +27,14 @@ LONG_PROMPT = ("In the middle of the night, the old lighthouse keeper climbed th
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def engine(request, model_path):
     """fp32 without quantization; bf16 with the default int4 weights."""
-    return LLMEngine(model=model_path, dtype=request.param, kv_cache_memory=256 << 20, enforce_eager=False)
+    engine = LLMEngine(model=model_path, dtype=request.param, kv_cache_memory=256 << 20, enforce_eager=False)
+    if not engine.runner.compiled:  # AVX2 alone: the int4 kernels win at every size, so it stays eager
+        for m in engine.model.modules():  # here the compiled steps run the dense copies, as on other CPUs
+            if isinstance(m, QuantizedLinear):
+                m.max_quantized_tokens = COMPILE_MIN_TOKENS - 1
+        assert engine.runner.compile_forward()
+        engine.runner.compiled = True
+    return engine
 
 
 @contextlib.contextmanager

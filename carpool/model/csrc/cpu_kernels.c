@@ -9,7 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -45,9 +45,9 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* The two passes over a cached row of K or V, for the `group` query heads sharing it: its
    scores (scale * q . k into scores[g * stride]) and its share of the output (acc_g += p_g * v).
-   With AVX-512 and a head_dim of whole vectors the row is read in place, widened in registers;
-   otherwise (and before: ~3x slower at head_dim 64) it is widened into `buf` first, and the
-   vector loads of `buf` that follow the narrower stores writing it stall. */
+   With AVX-512 (or AVX2) and a head_dim of whole vectors the row is read in place, widened in
+   registers; otherwise (and before: ~3x slower at head_dim 64) it is widened into `buf` first,
+   and the vector loads of `buf` that follow the narrower stores writing it stall. */
 #ifdef __AVX512F__
 static inline __m512 load16f(const char *row, int is_bf16, int64_t d) {
     if (!is_bf16) return _mm512_loadu_ps((const float *)row + d);
@@ -55,6 +55,19 @@ static inline __m512 load16f(const char *row, int is_bf16, int64_t d) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #define IN_PLACE(dim) ((dim) % 16 == 0 && (dim) <= 256)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AVX2_ROWS 1  /* the same in 8-wide vectors (AVX2 alone, e.g. AMD Zen 1-3) */
+static inline __m256 load8f(const char *row, int is_bf16, int64_t d) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)row + d);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define IN_PLACE(dim) ((dim) % 8 == 0 && (dim) <= 128)
 #endif
 
 static inline __attribute__((always_inline)) void score_row(
@@ -69,6 +82,18 @@ static inline __attribute__((always_inline)) void score_row(
             for (int64_t d = 0; d < dim / 16; d++)
                 sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + d * 16), k[d], sum);
             scores[g * stride] = _mm512_reduce_add_ps(sum) * scale;
+        }
+        return;
+    }
+#elif defined(AVX2_ROWS)
+    if (IN_PLACE(dim)) {
+        __m256 k[16];
+        for (int64_t d = 0; d < dim / 8; d++) k[d] = load8f(row, is_bf16, d * 8);
+        for (int64_t g = 0; g < group; g++) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim / 8; d++)
+                sum = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * dim + d * 8), k[d], sum);
+            scores[g * stride] = sum8(sum) * scale;
         }
         return;
     }
@@ -87,6 +112,17 @@ static inline __attribute__((always_inline)) void accumulate_row(
             for (int64_t g = 0; g < group; g++) {
                 float *a = acc + g * dim + d;
                 _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride]), v, _mm512_loadu_ps(a)));
+            }
+        }
+        return;
+    }
+#elif defined(AVX2_ROWS)
+    if (IN_PLACE(dim)) {
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 v = load8f(row, is_bf16, d);
+            for (int64_t g = 0; g < group; g++) {
+                float *a = acc + g * dim + d;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride]), v, _mm256_loadu_ps(a)));
             }
         }
         return;
