@@ -56,17 +56,7 @@ static inline __m512 load16f(const char *row, int is_bf16, int64_t d) {
 }
 #define IN_PLACE(dim) ((dim) % 16 == 0 && (dim) <= 256)
 #elif defined(__AVX2__) && defined(__FMA__)
-#define AVX2_ROWS 1  /* the same in 8-wide vectors (AVX2 alone, e.g. AMD Zen 1-3) */
-static inline __m256 load8f(const char *row, int is_bf16, int64_t d) {
-    if (!is_bf16) return _mm256_loadu_ps((const float *)row + d);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+#define AVX2_ROWS 1  /* the same in 8-wide vectors (AVX2 alone, e.g. AMD Zen 1-3; kernels.h) */
 #define IN_PLACE(dim) ((dim) % 8 == 0 && (dim) <= 128)
 #endif
 

@@ -368,18 +368,6 @@ static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_
    (llama.cpp's trick), each quad widened on its own and no offset taken back out. The outputs
    differ from the VNNI kernel's only in the order of the activations' fp32 sums. */
 
-static inline __m256 load8(const void *x, int64_t i, int is_bf16) {
-    if (!is_bf16) return _mm256_loadu_ps((const float *)x + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 static inline float max8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -406,7 +394,7 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
         const int64_t i = v * GROUP;
         __m256 f[4];
         __m256i q[4];
-        for (int j = 0; j < 4; j++) f[j] = load8(x, i + 8 * j, is_bf16);
+        for (int j = 0; j < 4; j++) f[j] = load8f(x, is_bf16, i + 8 * j);
         const __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
                                           _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
         const float top = max8(top8);
