@@ -57,6 +57,19 @@ typedef struct {
     int64_t groups;
 } Activations;
 
+/* One block for all of a call's activation arrays (freed through a->scale); 0 when out of memory. */
+static inline int alloc_activations(int64_t tokens, int64_t k, Activations *a) {
+    a->groups = k / GROUP;
+    const int64_t values = tokens * a->groups;
+    char *mem = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)values + (size_t)(tokens * k));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sum = a->scale + values;
+    a->qsum = (int32_t *)(a->sum + values);
+    a->q = (int8_t *)(a->qsum + values);
+    return 1;
+}
+
 int quant_gemv_supported(void) {
 #if defined(HAVE_VNNI) || defined(HAVE_AVX2)
     return 1;
@@ -78,14 +91,8 @@ static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
 }
 
 static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
-    a->groups = k / GROUP;
+    if (!alloc_activations(tokens, k, a)) return 0;
     const int64_t values = tokens * a->groups;
-    char *mem = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)values + (size_t)(tokens * k));
-    if (!mem) return 0;
-    a->scale = (float *)mem;
-    a->sum = a->scale + values;
-    a->qsum = (int32_t *)(a->sum + values);
-    a->q = (int8_t *)(a->qsum + values);
     for (int64_t v = 0; v < values; v++) {
         const int64_t i = v * GROUP;  /* tokens are rows of k = groups * GROUP */
         const __m512 lo = load16(x, i, is_bf16), hi = load16(x, i + 16, is_bf16);
@@ -381,14 +388,8 @@ static inline int32_t sum8i(__m256i v) {
 }
 
 static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
-    a->groups = k / GROUP;
+    if (!alloc_activations(tokens, k, a)) return 0;
     const int64_t values = tokens * a->groups;
-    char *mem = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)values + (size_t)(tokens * k));
-    if (!mem) return 0;
-    a->scale = (float *)mem;
-    a->sum = a->scale + values;
-    a->qsum = (int32_t *)(a->sum + values);
-    a->q = (int8_t *)(a->qsum + values);
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t v = 0; v < values; v++) {
         const int64_t i = v * GROUP;
