@@ -23,17 +23,8 @@ from carpool.model import cpu_kernels
 from carpool.model.compiled import can_compile
 from carpool.model.llama import TensorParallel
 from carpool.model.loader import open_gguf, resolve_quantization
-from carpool.model.quant import (
-    EVERY_SIZE,
-    QuantizedLinear,
-    check_quantization,
-    dequantize_int4,
-    measure_crossover,
-    quantize_int4,
-    quantize_int8,
-    quantize_linears,
-    quantize_q4_1,
-)
+from carpool.model.quant import (EVERY_SIZE, QuantizedLinear, check_quantization, dequantize_int4, measure_crossover,
+                                 quantize_int4, quantize_int8, quantize_linears, quantize_q4_1)
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
 
