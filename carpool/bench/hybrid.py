@@ -33,7 +33,7 @@ class Machine:
 
 def measure_machine(repeats: int = 5, size: int = 2048) -> Machine:
     """Peak-ish GEMM rate per dtype (size^3; bf16 at a quarter of it where torch emulates bf16
-    GEMMs, which are then ~10x slower) and DRAM bandwidth (copy of a 512 MiB tensor)."""
+    GEMMs: at full size that took minutes) and DRAM bandwidth (copy of a 512 MiB tensor)."""
     rates = {}
     for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         n = size if dt == torch.float32 or cpu_has_fast_bf16() else size // 4

@@ -138,7 +138,7 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
         raise ValueError("carpool bench quant measures CPU kernels; use --device cpu")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.model, config.quantization)  # the engine's, for this model
     cfg = load_model_config(config.model, open_gguf(config.model) if is_gguf(config.model) else None)
     cpu = OtherCpu()
     start = time.perf_counter()
