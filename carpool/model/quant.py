@@ -226,9 +226,10 @@ def elapsed(fn) -> float:
 
 def measure_crossover(layers: list[QuantizedLinear], rounds: int = 3, max_layers: int = 8) -> int:
     """The largest token count (a power of two, or 0) at which the quantized kernel beats the
-    dense one by MIN_GAIN, or EVERY_SIZE where it wins as far as the sweep goes. Timed over up to `max_layers` of `layers` (one shape) in turn, so
-    weights come from memory as in a forward pass rather than from a hot cache; best of `rounds`,
-    the two kernels interleaved so that a burst of load on a busy host hits both."""
+    dense one by MIN_GAIN, or EVERY_SIZE where it wins as far as the sweep goes. Timed over up
+    to `max_layers` of `layers` (one shape) in turn, so weights come from memory as in a forward
+    pass rather than from a hot cache; best of `rounds`, the two kernels interleaved so that a
+    burst of load on a busy host hits both."""
     layers = layers[:max_layers]
     best = 0
     with torch.inference_mode():
