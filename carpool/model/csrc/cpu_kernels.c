@@ -123,6 +123,92 @@ static inline __attribute__((always_inline)) void accumulate_row(
         for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += p[g * stride] * v[d];
 }
 
+#ifdef AVX2_ROWS
+/* A whole block at once, where every query row sees all of its rows (always, for decodes). With
+   AVX2 the per-row passes above are bound by their horizontal sums and by the loads and stores of
+   accumulators that 16 registers cannot hold, ~270 cycles a row and KV head on Zen 1. Here up to
+   three query rows go together: each widened K row serves all of them, two K rows share each
+   query load and one reduction, and a 16-wide slice of their outputs stays in registers over the
+   block. Each score and output element is computed in the same order as the per-row passes, so
+   the two paths agree bit for bit (a chunk's partly visible blocks take the per-row ones). */
+#define IN_BLOCKS(dim) ((dim) % 16 == 0)
+#define QUERIES 3  /* query rows per pass: a GQA group of 3 shares one, larger groups take turns */
+
+static inline __attribute__((always_inline)) void score_queries(
+        const float *qf, const int nq, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
+        float *scores, int64_t stride, float scale) {
+    for (int64_t o = 0; o < n; o += 2) {
+        const char *r0 = first_row + o * slot_bytes, *r1 = o + 1 < n ? r0 + slot_bytes : r0;
+        __m256 acc[QUERIES][2];
+        for (int g = 0; g < nq; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 k0 = load8f(r0, is_bf16, d), k1 = load8f(r1, is_bf16, d);
+            for (int g = 0; g < nq; g++) {
+                const __m256 q = _mm256_loadu_ps(qf + g * dim + d);
+                acc[g][0] = _mm256_fmadd_ps(q, k0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(q, k1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < nq; g++) {  /* both sums in sum8's order: lanes 0 and 4 */
+            const __m256 a = acc[g][0], b = acc[g][1];
+            const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            const __m256 y = _mm256_add_ps(x, _mm256_permute_ps(x, 0x4e));
+            float sums[8];
+            _mm256_storeu_ps(sums, _mm256_mul_ps(_mm256_add_ps(y, _mm256_permute_ps(y, 0xb1)), _mm256_set1_ps(scale)));
+            scores[g * stride + o] = sums[0];
+            if (o + 1 < n) scores[g * stride + o + 1] = sums[4];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_queries(
+        float *acc, const float *p, int64_t stride, const int nq, const char *first_row, int64_t slot_bytes, int64_t n,
+        int is_bf16, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        __m256 sum[QUERIES][2];
+        for (int g = 0; g < nq; g++)
+            for (int j = 0; j < 2; j++) sum[g][j] = _mm256_loadu_ps(acc + g * dim + d + 8 * j);
+        for (int64_t o = 0; o < n; o++) {
+            const char *row = first_row + o * slot_bytes;
+            const __m256 v0 = load8f(row, is_bf16, d), v1 = load8f(row, is_bf16, d + 8);
+            for (int g = 0; g < nq; g++) {
+                const __m256 weight = _mm256_set1_ps(p[g * stride + o]);
+                sum[g][0] = _mm256_fmadd_ps(weight, v0, sum[g][0]);
+                sum[g][1] = _mm256_fmadd_ps(weight, v1, sum[g][1]);
+            }
+        }
+        for (int g = 0; g < nq; g++)
+            for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + g * dim + d + 8 * j, sum[g][j]);
+    }
+}
+
+/* scores[g * stride + o] = scale * q_g . k_o, and acc_g += sum_o p[g * stride + o] v_o, over the
+   block's n rows for `queries` query rows. */
+static inline __attribute__((always_inline)) void score_block(
+        const float *qf, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
+        int64_t queries, float *scores, int64_t stride, float scale) {
+    for (int64_t g = 0; g < queries; g += QUERIES) {
+        const float *q = qf + g * dim;
+        float *s = scores + g * stride;
+        if (queries - g >= 3) score_queries(q, 3, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
+        else if (queries - g == 2) score_queries(q, 2, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
+        else score_queries(q, 1, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_block(
+        float *acc, const float *p, int64_t stride, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
+        int64_t dim, int64_t queries) {
+    for (int64_t g = 0; g < queries; g += QUERIES) {
+        float *a = acc + g * dim;
+        const float *pg = p + g * stride;
+        if (queries - g >= 3) accumulate_queries(a, pg, stride, 3, first_row, slot_bytes, n, is_bf16, dim);
+        else if (queries - g == 2) accumulate_queries(a, pg, stride, 2, first_row, slot_bytes, n, is_bf16, dim);
+        else accumulate_queries(a, pg, stride, 1, first_row, slot_bytes, n, is_bf16, dim);
+    }
+}
+#endif
+
 /* Ask for a block's rows of one KV head ahead of their use: a head's rows are strided through
    the block (the other heads sit between them) and the blocks are scattered over the cache, so
    the hardware prefetcher alone leaves the loads waiting on memory. */
@@ -156,6 +242,12 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
+#ifdef AVX2_ROWS
+        if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
+            score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale);
+            continue;
+        }
+#endif
         for (int64_t o = 0; o < n; o++) {
             const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
             score_row(qf + from * dim, cached + o * slot_bytes, is_bf16, dim, rows - from, scores + from * len + t,
@@ -179,6 +271,12 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
+#ifdef AVX2_ROWS
+        if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
+            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows);
+            continue;
+        }
+#endif
         for (int64_t o = 0; o < n; o++) {
             const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
             accumulate_row(acc + from * dim, scores + from * len + t, len, cached + o * slot_bytes, is_bf16, dim,
