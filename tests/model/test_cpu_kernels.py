@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C comp
 
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=5), block=st.sampled_from([1, 5, 16]),
-       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4]), dim=st.sampled_from([8, 40, 48, 64, 128]),
+       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4]),
+       dim=st.sampled_from([8, 40, 48, 64, 128]),
        bf16=st.booleans(), write_new=st.booleans(), seed=st.integers(0, 2**16))
 def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, group, dim, bf16, write_new, seed):
     """Each decode over its own blocks, scattered over the cache in random order, with strided

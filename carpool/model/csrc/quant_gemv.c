@@ -527,8 +527,8 @@ static void unpack_int4(const uint8_t *codes, const uint16_t *scale, const uint1
             _mm256_storeu_si256((__m256i *)(u->offset + i), _mm256_slli_epi32(_mm256_madd_epi16(pairs, ones), 7));
             const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + i)));
             _mm256_storeu_ps(u->scale + i, s);
-            _mm256_storeu_ps(u->zero + i, _mm256_fmadd_ps(_mm256_set1_ps(8.f), s,
-                                                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + i)))));
+            const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + i)));
+            _mm256_storeu_ps(u->zero + i, _mm256_fmadd_ps(_mm256_set1_ps(8.f), s, low));
         }
     }
 }
@@ -555,9 +555,11 @@ static void int4_tokens(const UnpackedInt4 *u, const Activations *a, int64_t k, 
             const __m256i dot1 = _mm256_sub_epi32(_mm256_madd_epi16(pairs1, ones),
                                                   _mm256_loadu_si256((const __m256i *)(u->offset + i + 8)));
             const __m256 dx = _mm256_set1_ps(a->scale[v]), sum = _mm256_set1_ps(a->sum[v]);
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(_mm256_loadu_ps(u->scale + i), dx), acc0);
+            const __m256 scale0 = _mm256_mul_ps(_mm256_loadu_ps(u->scale + i), dx);
+            const __m256 scale1 = _mm256_mul_ps(_mm256_loadu_ps(u->scale + i + 8), dx);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), scale0, acc0);
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(u->zero + i), sum, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(_mm256_loadu_ps(u->scale + i + 8), dx), acc1);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), scale1, acc1);
             acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(u->zero + i + 8), sum, acc1);
         }
         store8(out, t * n + row0, acc0, n - row0, is_bf16);
