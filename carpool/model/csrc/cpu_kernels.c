@@ -126,12 +126,12 @@ static inline __attribute__((always_inline)) void accumulate_row(
 #ifdef AVX2_ROWS
 /* A whole block at once, where every query row sees all of its rows (always, for decodes). With
    AVX2 the per-row passes above are bound by their horizontal sums and by the loads and stores of
-   accumulators that 16 registers cannot hold, ~270 cycles a row and KV head on Zen 1. Here up to
+   accumulators that 16 registers cannot hold (a GQA group's outputs are 24 registers). Here up to
    three query rows go together: each widened K row serves all of them, two K rows share each
    query load and one reduction, and a 16-wide slice of their outputs stays in registers over the
    block. Each score and output element is computed in the same order as the per-row passes, so
    the two paths agree bit for bit (a chunk's partly visible blocks take the per-row ones). */
-#define IN_BLOCKS(dim) ((dim) % 16 == 0)
+#define IN_BLOCKS(dim) (IN_PLACE(dim) && (dim) % 16 == 0)  /* the per-row passes' order: theirs in place */
 #define QUERIES 3  /* query rows per pass: a GQA group of 3 shares one, larger groups take turns */
 
 static inline __attribute__((always_inline)) void score_queries(
