@@ -533,7 +533,8 @@ static void unpack_int4(const uint8_t *codes, const uint16_t *scale, const uint1
     }
 }
 
-/* All tokens' 16 rows from row0 of one unpacked block. */
+/* All tokens' 16 rows from row0 of one unpacked block. The two halves are written out: as a loop
+   over h the same code measured ~8% slower on Zen 1 (gcc 12). */
 static void int4_tokens(const UnpackedInt4 *u, const Activations *a, int64_t k, int64_t tokens, void *out,
                         int64_t n, int64_t row0, int is_bf16) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
