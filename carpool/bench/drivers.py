@@ -181,7 +181,9 @@ class OnlineDriver:
         firsts, followups = split_conversations(specs)
         if followups and self.tokenize is None:
             raise ValueError("a multi-turn workload over HTTP needs a tokenize function for the answers")
-        return asyncio.run(self._run(firsts, followups, stop))
+        import uvloop  # the client's own per-token work competes with the server for the cores
+
+        return uvloop.run(self._run(firsts, followups, stop))
 
     def warmup(self, prompt_len: int = 64, output_len: int = 8) -> None:
         spec = RequestSpec(0, 0.0, [(i * 7919) % 30000 + 100 for i in range(prompt_len)], output_len)
@@ -190,10 +192,10 @@ class OnlineDriver:
     async def resolve_model(self, client) -> str:
         if self.model:
             return self.model
-        r = await client.get(f"{self.base_url}/models", headers=self.headers)
-        if r.status_code != 200:
-            raise RuntimeError(f"GET {self.base_url}/models: HTTP {r.status_code}: {r.text[:200]}")
-        data = r.json().get("data") or []
+        async with client.get(f"{self.base_url}/models", headers=self.headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"GET {self.base_url}/models: HTTP {r.status}: {(await r.text())[:200]}")
+            data = (await r.json()).get("data") or []
         if not data:
             raise RuntimeError(f"{self.base_url}/models lists no model; pass --served-model")
         self.model = data[0]["id"]
@@ -201,12 +203,11 @@ class OnlineDriver:
 
     async def _run(self, specs: list[RequestSpec], followups: dict[int, list[RequestSpec]],
                    stop: StopCheck | None) -> RunResult:
-        import httpx
+        import aiohttp
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        timeout = httpx.Timeout(self.timeout, connect=30.0)
         notes = {"driver": "online", "base_url": self.base_url, "tokens_not_seen": 0}
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.timeout)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as client:
             model = await self.resolve_model(client)
             notes["model"] = model
             start = time.monotonic() + 0.05
@@ -268,18 +269,18 @@ class OnlineDriver:
         await asyncio.sleep(max(0.0, timeline.arrival_time - time.monotonic()))
         text: list[str] = []
         try:
-            async with client.stream("POST", f"{self.base_url}/completions", json=self._body(model, spec, prompt),
-                                     headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")
-                    timeline.error = f"HTTP {resp.status_code}: {body[:300]}"
+            async with client.post(f"{self.base_url}/completions", json=self._body(model, spec, prompt),
+                                   headers=self.headers) as resp:
+                if resp.status != 200:
+                    body = (await resp.read()).decode(errors="replace")
+                    timeline.error = f"HTTP {resp.status}: {body[:300]}"
                     return ""
                 reported = None
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
-                    if payload == "[DONE]":
+                    if payload == b"[DONE]":
                         break
                     now = time.monotonic()
                     chunk = json.loads(payload)

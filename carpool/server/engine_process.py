@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -244,6 +245,8 @@ class EngineProcess:
         """Read the engine's messages on the running event loop (the app's lifespan calls this)."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._read)
+        os.set_blocking(self._conn.fileno(), True)  # uvloop's add_reader made it non-blocking: recv and send
+        # of a message longer than one read or write would fail halfway with BlockingIOError
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine to finish (requests still running get EngineDeadError) and wait for
@@ -307,9 +310,10 @@ class EngineProcess:
 
     # ------------------------------------------------------------ the engine's messages
     def _read(self) -> None:
+        """One message per call: the loop calls again while the pipe stays readable (a
+        `poll(0)` per message, which builds a selector, cost more than the message itself)."""
         try:
-            while self._conn.poll(0):
-                self._handle(self._conn.recv())
+            self._handle(self._conn.recv())
         except (EOFError, OSError):
             self._on_closed()
 
