@@ -184,6 +184,34 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
         engine.shutdown()
 
 
+# ---------------------------------------------------------------- where each process runs
+
+SPIN_COUNT = "10000"  # ~10-30 us of spinning: across the gaps inside a step, not across its Python
+
+
+def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str], set[int] | None]:
+    """Where the engine's OpenMP threads and the frontend run: (the engine process's extra
+    environment, the frontend's cores), or ({}, None) to leave both to the OS.
+
+    When the engine's threads take every core this process may use, the frontend has to share
+    one. Left to the OS it lands on the core of the step's main thread: a step's outputs, written
+    to the pipe, wake it there (a sync wake-up), and it preempts the main thread about once per
+    token, stalling both threads. So OpenMP thread i is bound to core i, the frontend to the last
+    core, and the threads there stop spinning soon after a parallel region (GOMP_SPINCOUNT), so
+    the frontend runs in the time the last thread sleeps through the step's Python
+    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, one process (TP/PP)
+    or placement already set in the environment, nothing is bound."""
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = config.num_threads or len(cpus)
+    user_set = any(k in environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY"))
+    if config.world_size > 1 or len(cpus) < 2 or threads != len(cpus) or user_set:
+        return {}, None
+    env = {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
+    if "GOMP_SPINCOUNT" not in environ:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return env, {cpus[-1]}
+
+
 # ---------------------------------------------------------------- the frontend
 
 
@@ -201,8 +229,20 @@ class EngineProcess:
         self._conn, child = context.Pipe()
         self.process = context.Process(target=run_engine_process, name="carpool-engine",
                                        args=(config, model_name, metrics_namespace, child))
-        self.process.start()
+        engine_env, frontend_cpus = plan_cpus(config)
+        saved = {k: os.environ.get(k) for k in engine_env}
+        os.environ.update(engine_env)  # the spawned interpreter inherits it; libgomp reads it on load
+        try:
+            self.process.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         child.close()
+        if frontend_cpus is not None:
+            os.sched_setaffinity(0, frontend_cpus)  # this thread, and the threads it starts from now on
         if not self._conn.poll(READY_TIMEOUT):
             self.process.kill()
             raise RuntimeError("the engine process did not start in time")

@@ -14,6 +14,8 @@ import httpx
 import psutil
 import pytest
 
+from carpool.config import EngineConfig
+from carpool.server.engine_process import plan_cpus
 from tests.server.serve_process import start_serve
 
 
@@ -78,3 +80,45 @@ def test_killed_engine_process_fails_in_flight_requests_and_health_turns_503(ser
     assert p.poll() is None  # the frontend keeps answering until it is stopped
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 0
+
+
+def allowed_cpus(pid: int, tid: int) -> set[int]:
+    text = open(f"/proc/{pid}/task/{tid}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def test_cpu_plan_binds_only_an_engine_that_takes_every_core():
+    cpus = sorted(os.sched_getaffinity(0))
+    whole = EngineConfig(model="m", num_threads=len(cpus))
+    env, frontend = plan_cpus(whole, environ={})
+    if len(cpus) < 2:
+        assert (env, frontend) == ({}, None)
+        return
+    assert env["OMP_PLACES"] == ",".join(f"{{{c}}}" for c in cpus) and env["OMP_PROC_BIND"] == "close"
+    assert env["GOMP_SPINCOUNT"] and frontend == {cpus[-1]}
+    assert "GOMP_SPINCOUNT" not in plan_cpus(whole, environ={"GOMP_SPINCOUNT": "5"})[0]  # the user's stays
+    assert plan_cpus(whole, environ={"OMP_PLACES": "cores"}) == ({}, None)
+    assert plan_cpus(EngineConfig(model="m", num_threads=len(cpus) - 1), environ={}) == ({}, None)
+    assert plan_cpus(EngineConfig(model="m", num_threads=len(cpus), tensor_parallel_size=2), environ={}) == ({}, None)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores")
+def test_an_engine_on_every_core_is_bound_one_thread_per_core_and_the_frontend_beside_its_last():
+    cpus = sorted(os.sched_getaffinity(0))
+    p, url = start_serve("--num-threads", str(len(cpus)), "--kv-cache-memory", "64MiB", "--uvicorn-log-level",
+                         "warning", "--disable-uvicorn-access-log", "--shutdown-timeout", "2")
+    try:
+        out = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}).json()
+        assert out["usage"]["completion_tokens"] == 4  # the step's parallel regions have started every thread
+        engine = engine_pid(p)
+        bound = [allowed_cpus(engine, int(tid)) for tid in os.listdir(f"/proc/{engine}/task")]
+        assert allowed_cpus(engine, engine) == {cpus[0]}  # the main thread runs the step loop
+        assert all({c} in bound for c in cpus)  # one OpenMP thread per core
+        assert allowed_cpus(p.pid, p.pid) == {cpus[-1]}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
