@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import psutil
@@ -83,7 +84,7 @@ def test_killed_engine_process_fails_in_flight_requests_and_health_turns_503(ser
 
 
 def allowed_cpus(pid: int, tid: int) -> set[int]:
-    text = open(f"/proc/{pid}/task/{tid}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+    text = Path(f"/proc/{pid}/task/{tid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
     cpus: set[int] = set()
     for part in text.split(","):
         lo, _, hi = part.partition("-")
