@@ -186,7 +186,7 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
 
 # ---------------------------------------------------------------- where each process runs
 
-SPIN_COUNT = "10000"  # ~10-30 us of spinning: across the gaps inside a step, not across its Python
+SPIN_COUNT = "10000"  # spin across the short gaps inside a step, sleep through its Python
 
 
 def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str], set[int] | None]:
@@ -199,8 +199,8 @@ def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str],
     token, stalling both threads. So OpenMP thread i is bound to core i, the frontend to the last
     core, and the threads there stop spinning soon after a parallel region (GOMP_SPINCOUNT), so
     the frontend runs in the time the last thread sleeps through the step's Python
-    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, one process (TP/PP)
-    or placement already set in the environment, nothing is bound."""
+    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, with TP/PP (more
+    than one process), or with placement already set in the environment, nothing is bound."""
     cpus = sorted(os.sched_getaffinity(0))
     threads = config.num_threads or len(cpus)
     user_set = any(k in environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY"))
@@ -285,8 +285,9 @@ class EngineProcess:
         """Read the engine's messages on the running event loop (the app's lifespan calls this)."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._read)
-        os.set_blocking(self._conn.fileno(), True)  # uvloop's add_reader made it non-blocking: recv and send
-        # of a message longer than one read or write would fail halfway with BlockingIOError
+        # uvloop's add_reader made the pipe non-blocking: a message longer than one read or write
+        # would then fail halfway with BlockingIOError
+        os.set_blocking(self._conn.fileno(), True)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine to finish (requests still running get EngineDeadError) and wait for

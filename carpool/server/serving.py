@@ -45,6 +45,7 @@ from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
 from carpool.structured import StructuredOutputs
 from carpool.structured.grammar import GrammarError
+from carpool.structured.masks import GRAMMAR_REFUSED
 from carpool.tools.parsers import get_tool_parser
 from carpool.tools.template import apply_chat_template
 
@@ -53,6 +54,15 @@ log = logging.getLogger("carpool.server")
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.5
 ENGINE_FAILED = "the engine failed while generating this request; see the server log (request id {})"
+
+
+def generation_error(request_id: str, error: str) -> tuple[str, int, str | None, str]:
+    """(message, status, param, code) for a request that failed while generating: its
+    constraint refusing a token is the request's to fix (400); anything else is the engine's."""
+    if error.startswith(GRAMMAR_REFUSED):
+        message = f"{error.splitlines()[0]} (the constraint could not be followed)"
+        return message, 400, "structured_outputs", "constraint_failed"
+    return ENGINE_FAILED.format(request_id), 500, None, "engine_error"
 
 
 def sse(obj: Any) -> str:
@@ -325,7 +335,8 @@ class ServingContext:
         async def drain():
             async for index, delta in group:
                 if delta.error:
-                    raise APIError(ENGINE_FAILED.format(request_id), 500, code="engine_error")
+                    message, status, param, code = generation_error(request_id, delta.error)
+                    raise APIError(message, status, param=param, code=code)
                 choices[index].add(delta)
 
         task = asyncio.ensure_future(drain())
@@ -359,7 +370,7 @@ class ServingContext:
                     yield sse(obj)
                 async for index, delta in group:
                     if delta.error:
-                        yield sse(error_body(ENGINE_FAILED.format(request_id), 500, code="engine_error"))
+                        yield sse(error_body(*generation_error(request_id, delta.error)))
                         break
                     completion_tokens += len(delta.token_ids)
                     cached[index] = delta.num_cached_tokens

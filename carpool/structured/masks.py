@@ -26,6 +26,12 @@ from carpool.sampling_params import StructuredOutputsParams
 from carpool.structured.grammar import GrammarCompiler
 
 
+# How `accept`'s errors begin: the server answers them as the request's constraint failing (400),
+# not as an engine fault. llguidance can allow a token it then refuses, on constraints it finds
+# too complex (a fuzzed guided_choice of control characters and astral code points did).
+GRAMMAR_REFUSED = "structured outputs: the grammar refused token"
+
+
 @dataclass
 class GrammarMasks:
     """Allowed tokens of some rows of a logits batch: `bitmask[j]` (int32 words, bit i of word w
@@ -127,7 +133,7 @@ class StructuredOutputs:
         (the mask makes that impossible unless something upstream broke)."""
         if request.grammar.consume_token(token):
             return None
-        return f"structured outputs: the grammar refused token {token}: {request.grammar.get_error()}"
+        return f"{GRAMMAR_REFUSED} {token}: {request.grammar.get_error()}"
 
     @staticmethod
     def is_complete(request: Request) -> bool:

@@ -112,3 +112,22 @@ def test_bad_schema_via_the_client(client):
         client.chat.completions.create(
             model=MODEL_NAME, messages=ask("hi"), max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_the_grammar_refuses_fails_that_request_as_a_400_and_the_server_goes_on(served, monkeypatch, stream):
+    """llguidance can allow a token it then refuses (fuzzing found a guided_choice that does); here
+    the masks are switched off, so the model samples tokens the choice cannot take."""
+    monkeypatch.setattr(served.engine.structured, "start_masks", lambda batch: None)
+    body = {"model": MODEL_NAME, "messages": ask("hi"), "guided_choice": ["zzzz"], "max_tokens": 8,
+            "stream": stream}
+    r = httpx.post(served.v1 + "/chat/completions", json=body, timeout=60)
+    error = (r.json() if not stream else
+             next(json.loads(line[5:]) for line in r.text.splitlines() if '"error"' in line))["error"]
+    assert (r.status_code == 400) != stream, r.text  # a stream has already said 200
+    assert error["code"] == "constraint_failed" and error["param"] == "structured_outputs"
+    assert "the grammar refused token" in error["message"], error
+    assert served.wait_idle()
+    monkeypatch.undo()
+    ok = httpx.post(served.v1 + "/chat/completions", timeout=60, json={**body, "stream": False})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "zzzz"
