@@ -130,7 +130,7 @@ class StructuredOutputs:
     @staticmethod
     def accept(request: Request, token: int) -> str | None:
         """Advance the request's matcher by its sampled token; an error message if it refuses
-        (the mask makes that impossible unless something upstream broke)."""
+        (the mask should prevent that; see GRAMMAR_REFUSED for when it does not)."""
         if request.grammar.consume_token(token):
             return None
         return f"{GRAMMAR_REFUSED} {token}: {request.grammar.get_error()}"
