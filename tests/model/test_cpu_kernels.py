@@ -59,6 +59,33 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
         torch.testing.assert_close(got[row:row + 1].float(), want, rtol=tol, atol=tol)
 
 
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(1, 100), min_size=8, max_size=8), block=st.sampled_from([5, 16]),
+       kv_heads=st.sampled_from([1, 3]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim, bf16, seed):
+    """Bit for bit: alone, a decode's few KV heads split over the threads by block and by slices
+    of the head; in a batch of 8, each (sequence, KV head) is one thread's task."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, group = (torch.bfloat16 if bf16 else torch.float32), 3
+    used = [-(-n // block) for n in lens]
+    cache = torch.randn(2, sum(used) * block, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(sum(used), generator=gen).tolist()
+    tables = torch.tensor([perm[sum(used[:i]):sum(used[:i + 1])] + [0] * (max(used) - used[i])
+                           for i in range(len(lens))])
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = cpu_kernels.paged_decode_attention(q, cache, tables, torch.tensor(lens), 0.3, block)
+        for i, n in enumerate(lens):
+            alone = cpu_kernels.paged_decode_attention(q[i:i + 1], cache, tables[i:i + 1].contiguous(),
+                                                       torch.tensor([n]), 0.3, block)
+            assert torch.equal(alone, batch[i:i + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=4),
        block=st.sampled_from([1, 5, 16]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),

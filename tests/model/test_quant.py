@@ -106,6 +106,23 @@ def test_c_kernel_equals_its_arithmetic_at_any_shape(mode, n, groups, tokens, bf
     torch.testing.assert_close(q.kernel(x).double(), ref.to(dtype).double(), rtol=ulp, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(mode=st.sampled_from(["int8", "int4"]), n=st.integers(1, 70), groups=st.integers(1, 9),
+       tokens=st.integers(2, 20), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_token_gets_the_same_output_alone_and_among_others(mode, n, groups, tokens, bf16, seed):
+    """Bit for bit: a lone token (a batch-1 decode) takes kernels of its own, and its output must
+    not depend on which path ran, or greedy decoding would depend on the batch."""
+    if not cpu_kernels.has_quantized_matmul():
+        pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q = QuantizedLinear(linear(n, 32 * groups, seed=seed), mode, torch.bfloat16).to(torch.bfloat16)
+    x = torch.randn(tokens, 32 * groups, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[0, :32] = 0
+    together = q.kernel(x)
+    for i in range(tokens):
+        assert torch.equal(q.kernel(x[i:i + 1]), together[i:i + 1])
+
+
 @settings(max_examples=40, deadline=None)
 @given(mode=st.sampled_from(["int8", "int4"]), n=st.integers(1, 70), groups=st.integers(1, 19),
        tokens=st.integers(1, 40), bf16=st.booleans(), seed=st.integers(0, 2**16))

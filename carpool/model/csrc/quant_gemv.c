@@ -490,6 +490,111 @@ static inline __attribute__((always_inline)) void int8_half(
     }
 }
 
+/* One token's 16 rows of one int4 block: int4_half's sums in int4_half's order, bit for bit, with
+   less work per weight byte, which at one token is what bounds the step on Zen 1 (a core there
+   streams int4 weights at ~7 GB/s, well under DRAM's rate). Both halves take one pass, so a
+   group's fp32 terms are broadcast once, and the activation quads come pre-broadcast from
+   memory as maddubs' second operand, instead of a broadcast per quad and half. */
+static inline __attribute__((always_inline)) void int4_rows1(
+        const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
+        const __m256i *quads, __m256 *acc0, __m256 *acc1) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        const uint8_t *packed = codes + g * 256;
+        const __m256i *x = quads + 8 * g;
+        __m256i pairs0 = _mm256_setzero_si256(), pairs1 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {  /* integer sums: any order gives the same */
+            _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)(packed + j * 64));
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(packed + j * 64 + 32));
+            pairs0 = _mm256_add_epi16(pairs0, _mm256_add_epi16(
+                _mm256_maddubs_epi16(_mm256_and_si256(p0, nibble), x[j]),
+                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p0, 4), nibble), x[j + 4])));
+            pairs1 = _mm256_add_epi16(pairs1, _mm256_add_epi16(
+                _mm256_maddubs_epi16(_mm256_and_si256(p1, nibble), x[j]),
+                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p1, 4), nibble), x[j + 4])));
+        }
+        const __m256i offset = _mm256_set1_epi32(-8 * a->qsum[g]);
+        const __m256 dx = _mm256_set1_ps(a->scale[g]), sum = _mm256_set1_ps(a->sum[g]), eight = _mm256_set1_ps(8.f);
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS)));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8)));
+        const __m256 z0 = _mm256_fmadd_ps(eight, s0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS))));
+        const __m256 z1 = _mm256_fmadd_ps(eight, s1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS + 8))));
+        sum0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(pairs0, ones), offset)),
+                               _mm256_mul_ps(s0, dx), sum0);
+        sum0 = _mm256_fmadd_ps(z0, sum, sum0);
+        sum1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(pairs1, ones), offset)),
+                               _mm256_mul_ps(s1, dx), sum1);
+        sum1 = _mm256_fmadd_ps(z1, sum, sum1);
+    }
+    *acc0 = sum0, *acc1 = sum1;
+}
+
+/* One token's 16 rows of one int8 block: int8_half's sums, bit for bit, with the sign moved:
+   |x| times sign(w, x) instead of |w| times sign(x, w). |x| and x come pre-broadcast, so a quad
+   costs a sign, a maddubs, a widening and an add, where int8_half also takes |w| and
+   broadcasts x. The codes lie within +-127 (quant.quantize_int8 clamps them), so sign(w, x) never
+   meets -128, whose negation overflows. */
+static inline __attribute__((always_inline)) void int8_rows1(
+        const uint8_t *codes, const uint16_t *scale, const Activations *a, const __m256i *quads,
+        const __m256i *magnitudes, __m256 *acc0, __m256 *acc1) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        const uint8_t *packed = codes + g * 512;
+        const __m256i *x = quads + 8 * g, *magnitude = magnitudes + 8 * g;
+        __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(packed + j * 64)), offset);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(packed + j * 64 + 32)), offset);
+            dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(w0, x[j])), ones));
+            dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(w1, x[j])), ones));
+        }
+        const __m256 dx = _mm256_set1_ps(a->scale[g]);
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS)));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8)));
+        sum0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(s0, dx), sum0);
+        sum1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(s1, dx), sum1);
+    }
+    *acc0 = sum0, *acc1 = sum1;
+}
+
+/* One token's activation quads, each broadcast to a ymm, and their magnitudes: 2 x [groups * 8]. */
+static __m256i *broadcast_quads(const Activations *a) {
+    const int64_t n = 8 * a->groups;
+    __m256i *quads = aligned_alloc(32, sizeof(__m256i) * 2 * (size_t)n);
+    if (!quads) return NULL;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t quad;
+        memcpy(&quad, a->q + 4 * i, sizeof quad);
+        quads[i] = _mm256_set1_epi32(quad);
+        quads[n + i] = _mm256_abs_epi8(quads[i]);
+    }
+    return quads;
+}
+
+/* int4 given `min`, else int8. */
+static int avx2_one_token(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
+                          void *out, int64_t n, int is_bf16, int num_threads) {
+    __m256i *quads = broadcast_quads(a);
+    if (!quads) return 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
+        const int64_t first = b * a->groups * ROWS, row = b * ROWS;
+        __m256 acc0, acc1;
+        if (min) int4_rows1(codes + first * GROUP / 2, scale + first, min + first, a, quads, &acc0, &acc1);
+        else int8_rows1(codes + first * GROUP, scale + first, a, quads, quads + 8 * a->groups, &acc0, &acc1);
+        store8(out, row, acc0, n - row, is_bf16);
+        if (row + 8 < n) store8(out, row + 8, acc1, n - row - 8, is_bf16);
+    }
+    free(quads);
+    return 1;
+}
+
 /* From TILE + 1 tokens int4 takes another form of the same sums, which does less work per product
    on such CPUs (1.3-1.5x on Zen 1, where integer multiplies have one pipe): the activations as
    unsigned q + 128 and the weights as signed c - 8, unpacked once per call and block into scratch.
@@ -594,8 +699,9 @@ static int avx2_matmul(const uint8_t *codes, const uint16_t *scale, const uint16
                        int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
     Activations a;
     if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
-    if (min && tokens > TILE) {
-        const int ok = avx2_int4_tokens(codes, scale, min, &a, out, tokens, k, n, is_bf16, num_threads);
+    if (tokens == 1 || (min && tokens > TILE)) {
+        const int ok = tokens == 1 ? avx2_one_token(codes, scale, min, &a, out, n, is_bf16, num_threads)
+                                   : avx2_int4_tokens(codes, scale, min, &a, out, tokens, k, n, is_bf16, num_threads);
         free(a.scale);
         return ok;
     }
