@@ -27,13 +27,15 @@ from carpool.model.quant import QuantizedLinear
 @dataclass
 class Machine:
     gemm_tflops: dict[str, float]
-    mem_gbs: float
+    mem_gbs: float  # STREAM's copy: 2 x bytes copied / time
     threads: int
+    mem_read_gbs: float = 0.0  # bytes summed / time: reads alone, as a decode step's weights are
 
 
 def measure_machine(repeats: int = 5, size: int = 2048) -> Machine:
     """Peak-ish GEMM rate per dtype (size^3; bf16 at a quarter of it where torch emulates bf16
-    GEMMs: at full size that took minutes) and DRAM bandwidth (copy of a 512 MiB tensor)."""
+    GEMMs: at full size that took minutes) and DRAM bandwidth: copying a 512 MiB tensor, as
+    STREAM counts it, and reading it alone (a sum), which runs faster: no writes."""
     rates = {}
     for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         n = size if dt == torch.float32 or cpu_has_fast_bf16() else size // 4
@@ -42,7 +44,8 @@ def measure_machine(repeats: int = 5, size: int = 2048) -> Machine:
     src = torch.empty(128 << 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     copy = median_time(lambda: dst.copy_(src), repeats)
-    return Machine(rates, 2 * src.numel() * 4 / copy / 1e9, torch.get_num_threads())
+    read = median_time(lambda: src.sum(), repeats)
+    return Machine(rates, 2 * src.numel() * 4 / copy / 1e9, torch.get_num_threads(), src.numel() * 4 / read / 1e9)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -209,8 +212,10 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
     batch1 = time_batch(synthetic, [(contexts[0], 1)], repeats)
     batch1_decode = {"step_s": batch1, "roofline_s": roof.weight_bytes_bound(1, L), "weight_bytes": roof.weight_bytes}
     batch1_decode["x_roofline"] = batch1 / batch1_decode["roofline_s"]
+    batch1_decode["x_read_roofline"] = batch1 / (batch1_decode["roofline_s"] * machine.mem_gbs / machine.mem_read_gbs)
     print(f"batch-1 decode step {batch1*1e3:.1f} ms = {batch1_decode['x_roofline']:.2f}x its roofline "
-          f"({roof.weight_bytes/1e6:.0f} MB of weights at {machine.mem_gbs:.1f} GB/s)")
+          f"({roof.weight_bytes/1e6:.0f} MB of weights at {machine.mem_gbs:.1f} GB/s); "
+          f"{batch1_decode['x_read_roofline']:.2f}x at the read rate ({machine.mem_read_gbs:.1f} GB/s)")
 
     # Iteration cost around the default budget: is the token count on a fast size?
     sweep = {n: prefill(n) for n in range(480, 561, 8) if n <= engine.max_model_len}
@@ -239,7 +244,8 @@ def write_outputs(result: dict, out: Path) -> None:
     (out / "hybrid.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"Machine: bf16 GEMM {result['machine']['gemm_tflops']['bfloat16']:.2f} TFLOP/s, fp32 "
-        f"{result['machine']['gemm_tflops']['float32']:.2f} TFLOP/s, DRAM {result['machine']['mem_gbs']:.1f} GB/s, "
+        f"{result['machine']['gemm_tflops']['float32']:.2f} TFLOP/s, DRAM {result['machine']['mem_gbs']:.1f} GB/s "
+        f"(copy; read alone {result['machine'].get('mem_read_gbs', 0.0):.1f} GB/s), "
         f"{result['machine']['threads']} threads; model dtype {result['dtype']}, L = {result['context']}.",
         "",
         "| C | D | prefill-only ms | decode-only ms | hybrid ms | decode/token alone ms | piggybacked ms | ratio | "
@@ -255,7 +261,8 @@ def write_outputs(result: dict, out: Path) -> None:
     b1 = result["batch1_decode"]
     lines += ["", f"Batch-1 decode step (context {result['context']}): {b1['step_s']*1e3:.1f} ms, "
                   f"{b1['x_roofline']:.2f}x its roofline ({b1['roofline_s']*1e3:.1f} ms: "
-                  f"{b1['weight_bytes']/1e6:.0f} MB of weights as stored, quantization {result['quantization']})."]
+                  f"{b1['weight_bytes']/1e6:.0f} MB of weights as stored and the KV, quantization "
+                  f"{result['quantization']}); {b1.get('x_read_roofline', 0.0):.2f}x at the read-alone rate."]
     lines += ["", "| tokens in iteration | ms | us/token |", "|---|---|---|"]
     for n, s in sorted(result["token_count_sweep_s"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {n} | {s*1e3:.1f} | {s/int(n)*1e6:.1f} |")
