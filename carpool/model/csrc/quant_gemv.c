@@ -430,11 +430,34 @@ static inline void store8(void *out, int64_t i, __m256 v, int64_t live, int is_b
     }
 }
 
+/* The activation quads of a chunk of tokens, each broadcast to a ymm, and their magnitudes, built
+   once per call and chunk rather than once per block: the kernels below take them from memory. */
+typedef struct {
+    __m256i *quads, *magnitudes;  /* [tokens of the chunk, groups * 8] */
+    int64_t t0, per_token;        /* the chunk's first token; groups * 8 */
+} Broadcasts;
+
+#define CHUNK_TOKENS 16  /* a chunk's table: 16 x 64 bytes per 4 channels, in L2 */
+
+static int broadcast_quads(const Activations *a, int64_t k, int64_t t0, int64_t tn, Broadcasts *b) {
+    const int64_t n = tn * 8 * a->groups;
+    b->quads = aligned_alloc(32, sizeof(__m256i) * 2 * (size_t)n);
+    if (!b->quads) return 0;
+    b->magnitudes = b->quads + n, b->t0 = t0, b->per_token = 8 * a->groups;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t quad;
+        memcpy(&quad, a->q + t0 * k + 4 * i, sizeof quad);
+        b->quads[i] = _mm256_set1_epi32(quad);
+        b->magnitudes[i] = _mm256_abs_epi8(b->quads[i]);
+    }
+    return 1;
+}
+
 /* Half `h` (rows 8h..8h+7) of one block of an int4 weight against `tn` tokens from t0. Each group
    holds 4 chunks of 64 bytes, row r's 4 channels at 4r; a half is 32 bytes of each chunk. */
 static inline __attribute__((always_inline)) void int4_half(
         const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
-        int64_t k, int64_t t0, const int tn, int h, __m256 acc[TILE]) {
+        const Broadcasts *x, int64_t t0, const int tn, int h, __m256 acc[TILE]) {
     const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
@@ -451,10 +474,9 @@ static inline __attribute__((always_inline)) void int4_half(
                                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS + 8 * h))));
         for (int t = 0; t < tn; t++) {
             const int64_t v = (t0 + t) * a->groups + g;
-            int32_t quads[8];
-            memcpy(quads, a->q + (t0 + t) * k + g * GROUP, sizeof quads);
-            __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quads[0]));
-            for (int j = 1; j < 8; j++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(quads[j])));
+            const __m256i *quads = x->quads + (t0 + t - x->t0) * x->per_token + 8 * g;
+            __m256i pairs = _mm256_maddubs_epi16(w[0], quads[0]);
+            for (int j = 1; j < 8; j++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], quads[j]));
             const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(-8 * a->qsum[v]));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(a->scale[v])), acc[t]);
             acc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(a->sum[v]), acc[t]);
@@ -462,28 +484,29 @@ static inline __attribute__((always_inline)) void int4_half(
     }
 }
 
-/* Half `h` of one block of an int8 weight (codes + 128: 8 chunks of 64 bytes per group). */
+/* Half `h` of one block of an int8 weight (codes + 128: 8 chunks of 64 bytes per group), as
+   |x| times sign(w, x): the magnitudes and quads come from the table, so a quad costs a sign, a
+   maddubs, a widening and an add per token. The codes lie within +-127 (quant.quantize_int8
+   clamps them), so sign(w, x) never meets -128, whose negation overflows. */
 static inline __attribute__((always_inline)) void int8_half(
-        const uint8_t *codes, const uint16_t *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
-        int h, __m256 acc[TILE]) {
+        const uint8_t *codes, const uint16_t *scale, const Activations *a, const Broadcasts *x, int64_t t0,
+        const int tn, int h, __m256 acc[TILE]) {
     const __m256i offset = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
-        __m256i w[8], magnitude[8];
+        __m256i w[8];
         for (int j = 0; j < 8; j++) {
             _mm_prefetch((const char *)codes + g * 512 + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
             w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + g * 512 + j * 64 + 32 * h)), offset);
-            magnitude[j] = _mm256_abs_epi8(w[j]);
         }
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8 * h)));
         for (int t = 0; t < tn; t++) {
-            int32_t quads[8];
-            memcpy(quads, a->q + (t0 + t) * k + g * GROUP, sizeof quads);
+            const int64_t at = (t0 + t - x->t0) * x->per_token + 8 * g;
+            const __m256i *quads = x->quads + at, *magnitudes = x->magnitudes + at;
             __m256i dot = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(quads[j]), w[j]);
-                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[j], x), ones));
-            }
+            for (int j = 0; j < 8; j++)
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitudes[j], _mm256_sign_epi8(w[j], quads[j])), ones));
             const __m256 dx = _mm256_set1_ps(a->scale[(t0 + t) * a->groups + g]);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, dx), acc[t]);
         }
@@ -492,17 +515,17 @@ static inline __attribute__((always_inline)) void int8_half(
 
 /* One token's 16 rows of one int4 block: int4_half's sums in int4_half's order, bit for bit, with
    less work per weight byte, which at one token is what bounds the step on Zen 1 (a core there
-   streams int4 weights at ~7 GB/s, well under DRAM's rate). Both halves take one pass, so a
-   group's fp32 terms are broadcast once, and the activation quads come pre-broadcast from
-   memory as maddubs' second operand, instead of a broadcast per quad and half. */
+   streamed int4 weights at ~7 GB/s, well under DRAM's rate): both halves take one pass, so a
+   group's fp32 terms are broadcast once. */
 static inline __attribute__((always_inline)) void int4_rows1(
         const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
-        const __m256i *quads, __m256 *acc0, __m256 *acc1) {
+        const Broadcasts *b, int64_t t, __m256 *acc0, __m256 *acc1) {
     const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
         const uint8_t *packed = codes + g * 256;
-        const __m256i *x = quads + 8 * g;
+        const int64_t v = t * a->groups + g;
+        const __m256i *x = b->quads + (t - b->t0) * b->per_token + 8 * g;
         __m256i pairs0 = _mm256_setzero_si256(), pairs1 = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {  /* integer sums: any order gives the same */
             _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
@@ -515,8 +538,8 @@ static inline __attribute__((always_inline)) void int4_rows1(
                 _mm256_maddubs_epi16(_mm256_and_si256(p1, nibble), x[j]),
                 _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p1, 4), nibble), x[j + 4])));
         }
-        const __m256i offset = _mm256_set1_epi32(-8 * a->qsum[g]);
-        const __m256 dx = _mm256_set1_ps(a->scale[g]), sum = _mm256_set1_ps(a->sum[g]), eight = _mm256_set1_ps(8.f);
+        const __m256i offset = _mm256_set1_epi32(-8 * a->qsum[v]);
+        const __m256 dx = _mm256_set1_ps(a->scale[v]), sum = _mm256_set1_ps(a->sum[v]), eight = _mm256_set1_ps(8.f);
         const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS)));
         const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8)));
         const __m256 z0 = _mm256_fmadd_ps(eight, s0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS))));
@@ -531,19 +554,16 @@ static inline __attribute__((always_inline)) void int4_rows1(
     *acc0 = sum0, *acc1 = sum1;
 }
 
-/* One token's 16 rows of one int8 block: int8_half's sums, bit for bit, with the sign moved:
-   |x| times sign(w, x) instead of |w| times sign(x, w). |x| and x come pre-broadcast, so a quad
-   costs a sign, a maddubs, a widening and an add, where int8_half also takes |w| and
-   broadcasts x. The codes lie within +-127 (quant.quantize_int8 clamps them), so sign(w, x) never
-   meets -128, whose negation overflows. */
+/* One token's 16 rows of one int8 block: int8_half's sums, bit for bit, both halves in one pass. */
 static inline __attribute__((always_inline)) void int8_rows1(
-        const uint8_t *codes, const uint16_t *scale, const Activations *a, const __m256i *quads,
-        const __m256i *magnitudes, __m256 *acc0, __m256 *acc1) {
+        const uint8_t *codes, const uint16_t *scale, const Activations *a, const Broadcasts *b, int64_t t,
+        __m256 *acc0, __m256 *acc1) {
     const __m256i offset = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
         const uint8_t *packed = codes + g * 512;
-        const __m256i *x = quads + 8 * g, *magnitude = magnitudes + 8 * g;
+        const int64_t at = (t - b->t0) * b->per_token + 8 * g;
+        const __m256i *x = b->quads + at, *magnitude = b->magnitudes + at;
         __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
@@ -554,45 +574,13 @@ static inline __attribute__((always_inline)) void int8_rows1(
             dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(
                 _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(w1, x[j])), ones));
         }
-        const __m256 dx = _mm256_set1_ps(a->scale[g]);
+        const __m256 dx = _mm256_set1_ps(a->scale[t * a->groups + g]);
         const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS)));
         const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8)));
         sum0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(s0, dx), sum0);
         sum1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(s1, dx), sum1);
     }
     *acc0 = sum0, *acc1 = sum1;
-}
-
-/* One token's activation quads, each broadcast to a ymm, and their magnitudes: 2 x [groups * 8]. */
-static __m256i *broadcast_quads(const Activations *a) {
-    const int64_t n = 8 * a->groups;
-    __m256i *quads = aligned_alloc(32, sizeof(__m256i) * 2 * (size_t)n);
-    if (!quads) return NULL;
-    for (int64_t i = 0; i < n; i++) {
-        int32_t quad;
-        memcpy(&quad, a->q + 4 * i, sizeof quad);
-        quads[i] = _mm256_set1_epi32(quad);
-        quads[n + i] = _mm256_abs_epi8(quads[i]);
-    }
-    return quads;
-}
-
-/* int4 given `min`, else int8. */
-static int avx2_one_token(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
-                          void *out, int64_t n, int is_bf16, int num_threads) {
-    __m256i *quads = broadcast_quads(a);
-    if (!quads) return 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
-        const int64_t first = b * a->groups * ROWS, row = b * ROWS;
-        __m256 acc0, acc1;
-        if (min) int4_rows1(codes + first * GROUP / 2, scale + first, min + first, a, quads, &acc0, &acc1);
-        else int8_rows1(codes + first * GROUP, scale + first, a, quads, quads + 8 * a->groups, &acc0, &acc1);
-        store8(out, row, acc0, n - row, is_bf16);
-        if (row + 8 < n) store8(out, row + 8, acc1, n - row - 8, is_bf16);
-    }
-    free(quads);
-    return 1;
 }
 
 /* From TILE + 1 tokens int4 takes another form of the same sums, which does less work per product
@@ -702,37 +690,62 @@ static int avx2_int4_tokens(const uint8_t *codes, const uint16_t *scale, const u
     return 1;
 }
 
+/* Tokens t0..t0 + tn - 1 (one chunk), whose quads `x` holds: a lone token's 16-row blocks in one
+   pass each, more tokens by halves and tiles of TILE. int4 given `min`, else int8. */
+static void avx2_chunk(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
+                       const Broadcasts *x, int64_t t0, int64_t tn, void *out, int64_t n, int is_bf16,
+                       int num_threads) {
+    const int64_t blocks = (n + ROWS - 1) / ROWS;
+    if (tn == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t first = b * a->groups * ROWS, row = b * ROWS;
+            __m256 acc0, acc1;
+            if (min) int4_rows1(codes + first * GROUP / 2, scale + first, min + first, a, x, t0, &acc0, &acc1);
+            else int8_rows1(codes + first * GROUP, scale + first, a, x, t0, &acc0, &acc1);
+            store8(out, t0 * n + row, acc0, n - row, is_bf16);
+            if (row + 8 < n) store8(out, t0 * n + row + 8, acc1, n - row - 8, is_bf16);
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < 2 * blocks; u++) {
+        const int64_t b = u / 2, first = b * a->groups * ROWS, row = b * ROWS + (u % 2) * 8;
+        const int h = (int)(u % 2);
+        if (row >= n) continue;
+        for (int64_t t = t0; t < t0 + tn; t += TILE) {
+            __m256 acc[TILE];
+            const int64_t tiled = t0 + tn - t < TILE ? t0 + tn - t : TILE;
+#define HALF(tiled) (min ? int4_half(codes + first * GROUP / 2, scale + first, min + first, a, x, t, tiled, h, acc) \
+                         : int8_half(codes + first * GROUP, scale + first, a, x, t, tiled, h, acc))
+            if (tiled == 4) HALF(4);
+            else if (tiled == 3) HALF(3);
+            else if (tiled == 2) HALF(2);
+            else HALF(1);
+#undef HALF
+            for (int64_t i = 0; i < tiled; i++) store8(out, (t + i) * n + row, acc[i], n - row, is_bf16);
+        }
+    }
+}
+
 static int avx2_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                        int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
     Activations a;
     if (!quantize_activations(x, is_bf16, tokens, k, &a)) return 0;
-    if (tokens == 1 || (min && tokens > TILE)) {
-        const int ok = tokens == 1 ? avx2_one_token(codes, scale, min, &a, out, n, is_bf16, num_threads)
-                                   : avx2_int4_tokens(codes, scale, min, &a, out, tokens, k, n, is_bf16, num_threads);
-        free(a.scale);
-        return ok;
-    }
-    const int64_t halves = 2 * ((n + ROWS - 1) / ROWS);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t u = 0; u < halves; u++) {
-        const int64_t b = u / 2, first = b * a.groups * ROWS, row = b * ROWS + (u % 2) * 8;
-        const int h = (int)(u % 2);
-        if (row >= n) continue;
-        for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
-            __m256 acc[TILE];
-            const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;
-#define HALF(tn) (min ? int4_half(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, h, acc) \
-                      : int8_half(codes + first * GROUP, scale + first, &a, k, t0, tn, h, acc))
-            if (tn == 4) HALF(4);
-            else if (tn == 3) HALF(3);
-            else if (tn == 2) HALF(2);
-            else HALF(1);
-#undef HALF
-            for (int64_t t = 0; t < tn; t++) store8(out, (t0 + t) * n + row, acc[t], n - row, is_bf16);
+    int ok = 1;
+    if (min && tokens > TILE) {
+        ok = avx2_int4_tokens(codes, scale, min, &a, out, tokens, k, n, is_bf16, num_threads);
+    } else {
+        for (int64_t t0 = 0; ok && t0 < tokens; t0 += CHUNK_TOKENS) {
+            const int64_t tn = tokens - t0 < CHUNK_TOKENS ? tokens - t0 : CHUNK_TOKENS;
+            Broadcasts quads;
+            ok = broadcast_quads(&a, k, t0, tn, &quads);
+            if (ok) avx2_chunk(codes, scale, min, &a, &quads, t0, tn, out, n, is_bf16, num_threads);
+            if (ok) free(quads.quads);
         }
     }
     free(a.scale);
-    return 1;
+    return ok;
 }
 
 #endif
