@@ -106,11 +106,12 @@ class Roofline:
         kv = self.kv_token_bytes * (prefill_context + prefill_tokens + decodes * (decode_context + 1))
         return max(flops / self.peak, (self.weight_bytes + kv) / self.bw)
 
-    def weight_bytes_bound(self, decodes: int, decode_context: int) -> float:
+    def weight_bytes_bound(self, decodes: int, decode_context: int, bandwidth: float | None = None) -> float:
         """A decode step's floor whatever kernels run: its weights as stored and its KV, read
-        once at DRAM speed (the GEMM peak above is the dense dtype's, which quantized kernels,
-        and on AVX2 alone emulated bf16, do not run at)."""
-        return (self.weight_bytes + self.kv_token_bytes * decodes * (decode_context + 1)) / self.bw
+        once at DRAM speed (the copy rate unless `bandwidth` is given, in bytes/s; the GEMM peak
+        above is the dense dtype's, which quantized kernels, and on AVX2 alone emulated bf16, do
+        not run at)."""
+        return (self.weight_bytes + self.kv_token_bytes * decodes * (decode_context + 1)) / (bandwidth or self.bw)
 
 
 def time_batch(synthetic: SyntheticBatches, grants, repeats: int) -> float:
@@ -212,7 +213,8 @@ def run_hybrid_bench(config: EngineConfig, args) -> dict:
     batch1 = time_batch(synthetic, [(contexts[0], 1)], repeats)
     batch1_decode = {"step_s": batch1, "roofline_s": roof.weight_bytes_bound(1, L), "weight_bytes": roof.weight_bytes}
     batch1_decode["x_roofline"] = batch1 / batch1_decode["roofline_s"]
-    batch1_decode["x_read_roofline"] = batch1 / (batch1_decode["roofline_s"] * machine.mem_gbs / machine.mem_read_gbs)
+    batch1_decode["read_roofline_s"] = roof.weight_bytes_bound(1, L, machine.mem_read_gbs * 1e9)
+    batch1_decode["x_read_roofline"] = batch1 / batch1_decode["read_roofline_s"]
     print(f"batch-1 decode step {batch1*1e3:.1f} ms = {batch1_decode['x_roofline']:.2f}x its roofline "
           f"({roof.weight_bytes/1e6:.0f} MB of weights at {machine.mem_gbs:.1f} GB/s); "
           f"{batch1_decode['x_read_roofline']:.2f}x at the read rate ({machine.mem_read_gbs:.1f} GB/s)")

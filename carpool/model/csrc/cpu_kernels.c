@@ -202,9 +202,11 @@ static inline __attribute__((always_inline)) void accumulate_block(
     for (int64_t g = 0; g < queries; g += QUERIES) {
         float *a = acc + g * dim;
         const float *pg = p + g * stride;
-        if (queries - g >= 3) accumulate_queries(a, pg, stride, 3, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to);
-        else if (queries - g == 2) accumulate_queries(a, pg, stride, 2, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to);
-        else accumulate_queries(a, pg, stride, 1, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to);
+#define ACCUMULATE(nq) accumulate_queries(a, pg, stride, nq, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to)
+        if (queries - g >= 3) ACCUMULATE(3);
+        else if (queries - g == 2) ACCUMULATE(2);
+        else ACCUMULATE(1);
+#undef ACCUMULATE
     }
 }
 #endif

@@ -374,9 +374,9 @@ static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_
    to saturating int16) then vpmaddwd by ones (int16 pairs to int32). int4's codes (0..15) times
    activations (-127..127) stay below the saturation even summed in int16 over a group's 8 quads
    (8 x 2 x 15 x 127 = 30,480), so a group costs one widening; int8's offset codes (0..255) would
-   saturate, so they are multiplied as signed codes by sign-adjusted activations, |w| x sign(x, w)
-   (llama.cpp's trick), each quad widened on its own and no offset taken back out. The outputs
-   differ from the VNNI kernel's only in the order of the activations' fp32 sums. */
+   saturate, so they are multiplied as signed codes by the activations' magnitudes, |x| x sign(w, x)
+   (llama.cpp's trick, the other way round), each quad widened on its own and no offset taken back
+   out. The outputs differ from the VNNI kernel's only in the order of the activations' fp32 sums. */
 
 static inline float max8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -542,8 +542,9 @@ static inline __attribute__((always_inline)) void int4_rows1(
         const __m256 dx = _mm256_set1_ps(a->scale[v]), sum = _mm256_set1_ps(a->sum[v]), eight = _mm256_set1_ps(8.f);
         const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS)));
         const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g * ROWS + 8)));
-        const __m256 z0 = _mm256_fmadd_ps(eight, s0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS))));
-        const __m256 z1 = _mm256_fmadd_ps(eight, s1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS + 8))));
+        const __m256 low0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS)));
+        const __m256 low1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g * ROWS + 8)));
+        const __m256 z0 = _mm256_fmadd_ps(eight, s0, low0), z1 = _mm256_fmadd_ps(eight, s1, low1);
         sum0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(pairs0, ones), offset)),
                                _mm256_mul_ps(s0, dx), sum0);
         sum0 = _mm256_fmadd_ps(z0, sum, sum0);
