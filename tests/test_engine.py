@@ -315,3 +315,22 @@ def test_prefix_cache_multi_turn(engine_fp32):
         if i:  # everything computed before: the previous prompt and all but the last answer token
             assert cached_on[i] == (length - 1) // 16 * 16
         length += len(m) + 12
+
+
+def test_a_latency_target_starts_with_a_fitted_step_cost(engine_fp32, monkeypatch):
+    """With --target-tbt-ms the engine times a few throwaway requests at start-up (this method,
+    from its constructor), so the first users' chunks are planned from a fit; nothing of those
+    requests is left behind."""
+    from carpool.core.step_cost import BatchShape
+
+    monkeypatch.setattr(engine_fp32, "CALIBRATION_PROMPTS", (16, 48, 96))  # fewer tokens: fp32 is slow
+    with scheduler_config(engine_fp32, budget=512, target_tbt=0.3) as engine:
+        engine._calibrate_step_cost()
+        cost = engine.scheduler.cost
+        assert cost.ready and cost.max_tokens_seen >= 64
+        assert cost.predict(BatchShape(((256, 0),))) > cost.predict(BatchShape(decode_contexts=(64,), num_sampled=1)) > 0
+        assert not engine.iteration_stats and not engine.requests and not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.scheduler.num_slo_unreachable == 0
+        (out,) = run_greedy(engine, [[1, 2, 3, 4]], 4)
+        assert len(out) == 4

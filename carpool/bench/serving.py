@@ -236,10 +236,17 @@ def write_results(out: Path, rows: list[dict], meta: dict, name: str = "results"
 
 
 # ---------------------------------------------------------------- serving / burst / ablation
+def default_spec(base: EngineConfig | None) -> SchedulerSpec:
+    """The engine's own policy, as `carpool serve` would run it: sarathi with --target-tbt-ms
+    follows that target."""
+    name = base.scheduler if base else "sarathi"
+    return SchedulerSpec(name, dynamic=name == "sarathi" and base is not None and base.target_tbt_ms is not None)
+
+
 def run_serving(args, base: EngineConfig | None, default_schedulers: list[SchedulerSpec] | None = None,
                 columns=SERVING_COLUMNS) -> list[dict]:
     """Every scheduler x every QPS: one run each; per-run reports under OUTPUT/LABEL/qps_Q."""
-    specs = args.schedulers or default_schedulers or [SchedulerSpec(base.scheduler if base else "sarathi")]
+    specs = args.schedulers or default_schedulers or [default_spec(base)]
     target = Target(args, base)
     if not target.online:
         check_schedulers(specs)

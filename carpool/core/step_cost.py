@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -130,10 +131,13 @@ class StepCostModel:
 
     decay: each observation's weight shrinks by this factor per later observation (the fit follows
         a machine whose speed drifts; 0.998 ~ the last 500 steps).
-    quantile: `upper` scales the fit by this quantile of recent measured / predicted ratios, so a
-        plan that keeps `upper` under a target keeps about that share of real steps under it
-        (0.99: a P99 TBT SLO counts nearly every step, since under load nearly every step is full;
-        with 0.95 a first measured run on this CPU missed its target's P99 by 13%).
+    quantile: `upper` scales the fit by this quantile of measured / predicted ratios over the last
+        `window` steps, so a plan that keeps `upper` under a target keeps about that share of real
+        steps under it (0.99: a P99 TBT SLO counts nearly every step, since under load nearly every
+        step is full; with 0.95 a first measured run on this CPU missed its target's P99 by 13%).
+        The ratios are taken against the current fit at each refit: ratios kept from the fit of
+        their day let a poor early fit hold the margin at its 2x cap for hundreds of steps, and
+        the policy then planned 250 ms steps for a 500 ms target.
     refit_every: observations between solves (a solve is ~0.2 ms of Python).
     """
 
@@ -150,7 +154,7 @@ class StepCostModel:
         k = len(FEATURES)
         self._ata = [[0.0] * k for _ in range(k)]
         self._atb = [0.0] * k
-        self._ratios: deque[float] = deque(maxlen=self.window)
+        self._recent: deque[tuple[list[float], float]] = deque(maxlen=self.window)  # (features, seconds)
         self._margin = 1.0
         self._pending = 0
 
@@ -179,11 +183,9 @@ class StepCostModel:
     def observe(self, shape: BatchShape, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds > 0) or shape.num_tokens == 0:
             return
-        if self.ready:
-            predicted = self.predict(shape)
-            if predicted > 0:
-                self._ratios.append(seconds / predicted)
-        self._add(features(shape), seconds, 1.0 / seconds**2)  # relative errors: see _add
+        x = features(shape)
+        self._recent.append((x, seconds))
+        self._add(x, seconds, 1.0 / seconds**2)  # relative errors: see _add
         self.num_observations += 1
         self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)
         self._pending += 1
@@ -221,11 +223,12 @@ class StepCostModel:
         trace = sum(self._ata[i][i] for i in range(len(FEATURES)))
         if trace <= 0:
             return
-        self.weights = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES))
-        if len(self._ratios) >= 16:
-            ranked = sorted(self._ratios)
-            q = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
-            self._margin = min(max(q, 1.0), 2.0)
+        self.weights = w = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES))
+        if self.ready and len(self._recent) >= 16:
+            ranked = sorted(y / p for x, y in self._recent if (p := sum(map(operator.mul, w, x))) > 0)
+            if ranked:
+                q = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+                self._margin = min(max(q, 1.0), 2.0)
 
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each raw feature (for reports)."""

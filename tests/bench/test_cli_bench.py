@@ -92,3 +92,13 @@ def test_capacity_end_to_end(capsys, tmp_path):
     assert res["label"] == "sarathi:512" and res["slo"] == "30s" and len(res["evaluations"]) == 2
     assert res["capacity"] == 8.0 and res["upper"] is None  # 4 and 8 QPS both pass a 30 s SLO
     assert data["meta"]["reference_decode_time"] > 0 and (out / "capacity.csv").is_file()
+
+
+def test_target_tbt_without_a_scheduler_list_runs_the_slo_policy():
+    """`bench serving --target-tbt-ms` in process runs what `carpool serve` would, not a fixed budget."""
+    from carpool.bench.serving import default_spec
+    from carpool.config import EngineConfig
+
+    assert default_spec(EngineConfig(target_tbt_ms=500.0)).label == "sarathi:dynamic"
+    assert default_spec(EngineConfig()).label == "sarathi"
+    assert default_spec(EngineConfig(scheduler="vllm")).label == "vllm"
