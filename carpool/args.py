@@ -32,7 +32,6 @@ IGNORED: dict[str, str] = {
     "revision": "models are local files",
     "tokenizer_revision": "models are local files",
     "enable_chunked_prefill": "chunked prefill is always on (Sarathi-Serve)",
-    "disable_log_stats": "carpool logs no periodic stats",
     "max_seq_len_to_capture": "no CUDA graphs",
     "disable_custom_all_reduce": "no custom all-reduce",
     "hf_token": "nothing is downloaded",
@@ -125,7 +124,7 @@ def add_vllm_engine_flags(p) -> None:
     for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",
                  "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
         g.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+    for flag in ("--trust-remote-code", "--disable-custom-all-reduce"):
         g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)

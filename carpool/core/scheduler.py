@@ -299,8 +299,8 @@ class SloSarathiScheduler(SarathiScheduler):
     def __init__(self, *args, target_tbt: float, cost: StepCostModel | None = None,
                  chunk_sizes: ChunkSizes | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.set_target(target_tbt)
         self.cost = cost or StepCostModel()
+        self.set_target(target_tbt)
         self.chunk_sizes = chunk_sizes
         self.num_slo_unreachable = 0
 
@@ -308,6 +308,7 @@ class SloSarathiScheduler(SarathiScheduler):
         if not (target_tbt > 0 and target_tbt < float("inf")):
             raise ValueError(f"target TBT must be a positive number of seconds, got {target_tbt}")
         self.target_tbt = target_tbt
+        self.cost.margin_from = target_tbt / 2  # the margin of the steps this target plans
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

@@ -138,6 +138,10 @@ class StepCostModel:
         The ratios are taken against the current fit at each refit: ratios kept from the fit of
         their day let a poor early fit hold the margin at its 2x cap for hundreds of steps, and
         the policy then planned 250 ms steps for a 500 ms target.
+    margin_from: only steps predicted at least this long (seconds) set the margin, once 16 of
+        them are in the window: a few ms of jitter is 70% of a lone decode and 1% of a full
+        step, and a margin of 1.75x from served decodes held full steps to 70% of their target.
+        The SLO policy sets it to half its target.
     refit_every: observations between solves (a solve is ~0.2 ms of Python).
     """
 
@@ -146,6 +150,7 @@ class StepCostModel:
     quantile: float = 0.99
     window: int = 512
     refit_every: int = 4
+    margin_from: float = 0.0
     weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
     num_observations: int = 0
     max_tokens_seen: int = 0
@@ -225,7 +230,9 @@ class StepCostModel:
             return
         self.weights = w = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES))
         if self.ready and len(self._recent) >= 16:
-            ranked = sorted(y / p for x, y in self._recent if (p := sum(map(operator.mul, w, x))) > 0)
+            pairs = [(y, p) for x, y in self._recent if (p := sum(map(operator.mul, w, x))) > 0]
+            long = [(y, p) for y, p in pairs if p >= self.margin_from]
+            ranked = sorted(y / p for y, p in (long if len(long) >= 16 else pairs))
             if ranked:
                 q = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
                 self._margin = min(max(q, 1.0), 2.0)

@@ -156,12 +156,13 @@ def _read_commands(core: _EngineCore, conn, metrics) -> None:
     core.stop(timeout=0)
 
 
-def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace: str | None, conn) -> None:
+def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace: str | None, log_stats: bool,
+                       conn) -> None:
     """The engine process's main: load the engine, say ready, run the step loop on this (main)
     thread until the frontend says stop or goes away."""
     from carpool.engine import LLMEngine
     from carpool.server.launch import freeze_startup_objects
-    from carpool.server.metrics import ServerMetrics
+    from carpool.server.metrics import ServerMetrics, StatsLog
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group: the frontend drains, then stops us
         signal.signal(sig, signal.SIG_IGN)
@@ -172,7 +173,8 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise
     try:
-        metrics = ServerMetrics(model_name, engine.max_model_len, namespace=metrics_namespace)
+        metrics = ServerMetrics(model_name, engine.max_model_len, namespace=metrics_namespace,
+                                stats_log=StatsLog() if log_stats else None)
         metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
         core = _EngineCore(engine, conn, metrics)
         conn.send(("ready", EngineInfo.of(engine)))
@@ -221,14 +223,14 @@ class EngineProcess:
     pipe itself (`start`), so a step's tokens reach their handlers with one wake-up."""
 
     def __init__(self, config: EngineConfig, model_name: str, max_waiting_requests: int | None = None,
-                 metrics_namespace: str | None = None):
+                 metrics_namespace: str | None = None, log_stats: bool = False):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         self.max_waiting_requests = max_waiting_requests
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or torch state
         self._conn, child = context.Pipe()
         self.process = context.Process(target=run_engine_process, name="carpool-engine",
-                                       args=(config, model_name, metrics_namespace, child))
+                                       args=(config, model_name, metrics_namespace, log_stats, child))
         engine_env, frontend_cpus = plan_cpus(config)
         saved = {k: os.environ.get(k) for k in engine_env}
         os.environ.update(engine_env)  # the spawned interpreter inherits it; libgomp reads it on load

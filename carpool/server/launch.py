@@ -54,7 +54,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     from carpool.server.engine_process import EngineProcess
 
     engine = EngineProcess(config, options.model_names(config.model)[0], options.max_waiting_requests,
-                           options.metrics_namespace)
+                           options.metrics_namespace, log_stats=not options.disable_log_stats)
     try:
         torch.set_num_threads(1)  # the frontend runs no kernels; the engine process owns the cores
         app = create_app(engine, options)

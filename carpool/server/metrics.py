@@ -14,7 +14,9 @@ recompute landing between two decodes). No stall is counted before MIN_HISTORY i
 
 from __future__ import annotations
 
+import logging
 import statistics
+import time
 from collections import deque
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -41,6 +43,53 @@ NAMESPACES = ("carpool", "vllm")  # `--metrics-namespace vllm`: vLLM's own names
 disable_created_metrics()  # no `*_created` series beside every counter (vLLM's output has none)
 
 
+log = logging.getLogger("carpool")
+
+LOG_STATS_INTERVAL = 10.0  # seconds between two stats lines, as vLLM's default
+
+
+class StatsLog:
+    """A line in the log every `interval` seconds while the engine works, as vLLM logs one:
+    throughputs, queue lengths, cache use and step times; with --target-tbt-ms, how the
+    SLO policy's plans fared (its fit's margin and the steps that ran over the target)."""
+
+    def __init__(self, interval: float = LOG_STATS_INTERVAL, clock=time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self._since = clock()
+        self._durations: list[float] = []
+        self._prompt_tokens = self._generated_tokens = 0
+        self._prefix = (0, 0)  # the scheduler's prefix-cache queries and hits at the last line
+
+    def on_step(self, engine, stats, num_generated: int) -> str | None:
+        """Count a step; returns (and logs) the line when one is due."""
+        if stats is not None:
+            self._durations.append(stats.duration)
+            self._prompt_tokens += stats.num_prefill_tokens
+        self._generated_tokens += num_generated
+        now = self.clock()
+        elapsed = now - self._since
+        if elapsed < self.interval or not self._durations:
+            return None
+        sched = engine.scheduler
+        queries = sched.prefix_cache_queries - self._prefix[0]
+        hits = sched.prefix_cache_hits - self._prefix[1]
+        d = sorted(self._durations)
+        line = (f"{self._prompt_tokens / elapsed:.1f} prompt tokens/s, {self._generated_tokens / elapsed:.1f} "
+                f"generated tokens/s, running {len(sched.running)}, waiting {len(sched.waiting)}, KV cache "
+                f"{100 * engine.block_manager.usage:.1f}%, prefix cache hits {100 * hits / max(queries, 1):.1f}%; "
+                f"{len(d)} steps, p50 {1e3 * d[len(d) // 2]:.1f} ms, max {1e3 * d[-1]:.1f} ms")
+        target = getattr(sched, "target_tbt", None)
+        if target is not None:
+            over = sum(x > target for x in d)
+            line += f"; target {1e3 * target:.0f} ms: {over} steps over it, fit margin {sched.cost.margin:.2f}x"
+        log.info("%s", line)
+        self._since, self._durations = now, []
+        self._prompt_tokens = self._generated_tokens = 0
+        self._prefix = (sched.prefix_cache_queries, sched.prefix_cache_hits)
+        return line
+
+
 def buckets_1_2_5(maximum: int) -> list[int]:
     out, exp = [], 0
     while True:
@@ -56,7 +105,8 @@ class ServerMetrics:
     FINISH_REASONS = ("stop", "length", "abort", "error")
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 namespace: str = "carpool"):
+                 namespace: str = "carpool", stats_log: StatsLog | None = None):
+        self.stats_log = stats_log
         if namespace not in NAMESPACES:
             raise ValueError(f"metrics namespace must be one of {NAMESPACES}, not {namespace!r}")
         self.registry = registry or CollectorRegistry()
@@ -154,6 +204,8 @@ class ServerMetrics:
         for out in outputs:
             self._observe_output(out, threshold)
         self.update_gauges(engine)
+        if self.stats_log is not None:
+            self.stats_log.on_step(engine, stats, sum(len(out.new_token_ids) for out in outputs))
 
     def on_abort(self, engine, num_aborted: int) -> None:
         self.request_success["abort"].inc(num_aborted)

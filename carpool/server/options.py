@@ -32,6 +32,7 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of the text...
     tool_call_parser: str | None = None  # ...with this parser (carpool/tools/parsers.py)
     enable_log_requests: bool = False  # log each request's prompt, cut to max_log_len characters
+    disable_log_stats: bool = False  # no stats line every LOG_STATS_INTERVAL seconds (server/metrics.py)
     max_log_len: int | None = None
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
@@ -118,6 +119,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older spelling of --no-enable-log-requests")
     g.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt to log")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line (throughput, queues, step times) in the log every 10 s while busy")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,

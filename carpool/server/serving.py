@@ -40,7 +40,7 @@ from carpool.server.async_engine import (
     RequestRejectedError,
 )
 from carpool.server.engine_process import EngineInfo, EngineProcess
-from carpool.server.metrics import ServerMetrics
+from carpool.server.metrics import ServerMetrics, StatsLog
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
 from carpool.structured import StructuredOutputs
@@ -168,7 +168,8 @@ class ServingContext:
         else:  # the engine on a thread of this process (embedding, tests)
             info = EngineInfo.of(engine)
             self.metrics = ServerMetrics(options.model_names(info.model)[0], info.max_model_len,
-                                         namespace=options.metrics_namespace)
+                                         namespace=options.metrics_namespace,
+                                         stats_log=None if options.disable_log_stats else StatsLog())
             self.metrics.set_cache_config(info.num_blocks, info.block_size)
             self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
             # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own

@@ -138,3 +138,22 @@ def test_chunk_sizes_snap_on_a_staircase_and_not_on_a_line():
     line = ChunkSizes.from_sweep([(n, 0.01 + 2.7e-4 * n) for n in (1, 16, 64, 128, 256, 512, 1024)])
     assert line.slow_sizes() == []
     assert all(line.snap(n) == n for n in range(1, 1100, 13))
+
+
+def test_the_margin_comes_from_long_steps_when_there_are_enough():
+    """Short steps jitter by a larger share of their time than long ones; a margin for plans
+    near a target is taken from steps near it."""
+    rng = random.Random(4)
+    model = StepCostModel(margin_from=0.1)
+    for i in range(400):
+        if i % 2:
+            shape = BatchShape(((rng.randint(300, 500), 0),), (300,) * 4, 4)  # ~0.1-0.15 s
+            seconds = true_time(shape) * rng.uniform(0.99, 1.01)
+        else:
+            shape = BatchShape(decode_contexts=(rng.randint(16, 64),), num_sampled=1)  # ~8 ms
+            seconds = true_time(shape) * rng.uniform(1.0, 1.8)  # a few ms of wake-up latency
+        model.observe(shape, seconds)
+    assert model.margin < 1.05
+    model.margin_from = 0.0
+    model.refit()
+    assert model.margin > 1.3
