@@ -268,8 +268,10 @@ class LLMEngine:
 
     def _calibrate_step_cost(self) -> None:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
-        ready instead of learning on the first users' steps: planned from an empty fit, the first
-        chunks of a burst overshot a 500 ms target by up to 35% (served, 2-core Zen 1)."""
+        ready: an empty fit predicts nothing, and the first users' steps would be sized by its
+        trust region alone (64, 128, 256 tokens, ...), whatever they cost. The 512-token prompt
+        teaches the fit attention over a long prefix: with 256 at most, a burst's first steps
+        ran 8-10% over a 500 ms target (2-core Zen 1)."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
