@@ -59,10 +59,16 @@ class StatsLog:
         self._since = clock()
         self._durations: list[float] = []
         self._prompt_tokens = self._generated_tokens = 0
-        self._prefix = (0, 0)  # the scheduler's prefix-cache queries and hits at the last line
+        self._prefix: tuple[int, int] | None = None  # the scheduler's prefix-cache queries and hits at the last line
 
     def on_step(self, engine, stats, num_generated: int) -> str | None:
-        """Count a step; returns (and logs) the line when one is due."""
+        """Count a step; returns (and logs) the line when one is due. A line covers the time
+        since the first step after the last line, so an idle spell does not dilute its rates."""
+        sched = engine.scheduler
+        if self._prefix is None:
+            self._prefix = (sched.prefix_cache_queries, sched.prefix_cache_hits)
+        if not self._durations:
+            self._since = max(self._since, self.clock() - (stats.duration if stats is not None else 0.0))
         if stats is not None:
             self._durations.append(stats.duration)
             self._prompt_tokens += stats.num_prefill_tokens
@@ -71,7 +77,6 @@ class StatsLog:
         elapsed = now - self._since
         if elapsed < self.interval or not self._durations:
             return None
-        sched = engine.scheduler
         queries = sched.prefix_cache_queries - self._prefix[0]
         hits = sched.prefix_cache_hits - self._prefix[1]
         d = sorted(self._durations)

@@ -88,19 +88,22 @@ def test_a_stats_line_every_interval_while_busy(caplog):
     now = [0.0]
     log = StatsLog(interval=10.0, clock=lambda: now[0])
     m = ServerMetrics("m", 2048, stats_log=log)
-    engine = fake_engine(running=3, waiting=1, usage=0.5, queries=100, hits=25)
-    for i in range(4):  # 4 steps of 2 s: 200 prompt tokens and 3 new tokens each
+    engine = fake_engine(running=3, waiting=1, usage=0.5)
+    for _ in range(4):  # back-to-back 2 s steps of 200 prompt tokens and 3 new tokens
         now[0] += 2.0
-        m.on_step(engine, [output([now[0]], n_new=3)], IterationStats(now[0], 0.1 * (i + 1), 200, 3, 4, 0))
+        m.on_step(engine, [output([now[0]], n_new=3)], IterationStats(now[0] - 2.0, 2.0, 200, 3, 4, 0))
     assert not caplog.records  # 8 s: no line yet
+    engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits = 100, 25
     now[0] += 2.0
-    line = log.on_step(engine, IterationStats(now[0], 0.5, 200, 3, 4, 0), 3)
-    assert line.startswith("100.0 prompt tokens/s, 1.5 generated tokens/s, running 3, waiting 1, KV cache 50.0%, "
-                           "prefix cache hits 25.0%; 5 steps, p50 300.0 ms, max 500.0 ms")
+    line = log.on_step(engine, IterationStats(now[0] - 2.0, 2.0, 200, 3, 4, 0), 3)
+    assert line == ("100.0 prompt tokens/s, 1.5 generated tokens/s, running 3, waiting 1, KV cache 50.0%, "
+                    "prefix cache hits 25.0%; 5 steps, p50 2000.0 ms, max 2000.0 ms")
     assert line in caplog.text
+    assert log.on_step(engine, None, 0) is None  # nothing ran: no line
     engine.scheduler.target_tbt, engine.scheduler.cost = 0.25, SimpleNamespace(margin=1.1)
-    now[0] += 1.0
-    assert log.on_step(engine, None, 0) is None  # an idle engine logs nothing
+    now[0] += 100.0  # idle for 100 s, then two 0.3 s steps 10 s apart
+    assert log.on_step(engine, IterationStats(now[0] - 0.3, 0.3, 0, 3, 3, 0), 3) is None
     now[0] += 10.0
-    assert log.on_step(engine, IterationStats(now[0], 0.3, 0, 3, 3, 0), 3).endswith(
-        "1 steps, p50 300.0 ms, max 300.0 ms; target 250 ms: 1 steps over it, fit margin 1.10x")
+    assert log.on_step(engine, IterationStats(now[0] - 0.3, 0.3, 0, 3, 3, 0), 3) == (
+        "0.0 prompt tokens/s, 0.6 generated tokens/s, running 3, waiting 1, KV cache 50.0%, prefix cache hits "
+        "0.0%; 2 steps, p50 300.0 ms, max 300.0 ms; target 250 ms: 2 steps over it, fit margin 1.10x")
