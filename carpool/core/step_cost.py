@@ -143,6 +143,8 @@ class StepCostModel:
         step, and a margin of 1.75x from served decodes held full steps to 70% of their target.
         The SLO policy sets it to half its target.
     refit_every: observations between solves (a solve is ~0.2 ms of Python).
+    margin_every: observations between margins (a margin over 512 steps is ~1 ms of Python, 0.3 ms
+        a step if it ran at every solve; the fit moves little in 32 steps).
     """
 
     decay: float = 0.998
@@ -150,6 +152,7 @@ class StepCostModel:
     quantile: float = 0.99
     window: int = 512
     refit_every: int = 4
+    margin_every: int = 32
     margin_from: float = 0.0
     weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
     num_observations: int = 0
@@ -162,6 +165,7 @@ class StepCostModel:
         self._recent: deque[tuple[list[float], float]] = deque(maxlen=self.window)  # (features, seconds)
         self._margin = 1.0
         self._pending = 0
+        self._since_margin = self.margin_every  # observations since the margin was last taken
 
     # ------------------------------------------------------------ predictions
     def predict(self, shape: BatchShape) -> float:
@@ -194,8 +198,9 @@ class StepCostModel:
         self.num_observations += 1
         self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)
         self._pending += 1
+        self._since_margin += 1
         if self._pending >= self.refit_every or not self.ready:
-            self.refit()
+            self.refit(margin=self._since_margin >= self.margin_every)
 
     def seed(self, predict: Callable[[BatchShape], float], shapes: Iterable[BatchShape], weight: float = 1.0) -> int:
         """Start from a profiled cost model: fit its predictions over `shapes` (each counted as
@@ -223,13 +228,15 @@ class StepCostModel:
                 row[j] = d * row[j] + weight * xi * xj
             self._atb[i] = d * self._atb[i] + weight * xi * y
 
-    def refit(self) -> None:
+    def refit(self, margin: bool = True) -> None:
+        """Solve for the weights; with `margin`, also take the margin against them."""
         self._pending = 0
         trace = sum(self._ata[i][i] for i in range(len(FEATURES)))
         if trace <= 0:
             return
         self.weights = w = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES))
-        if self.ready and len(self._recent) >= 16:
+        if margin and self.ready and len(self._recent) >= 16:
+            self._since_margin = 0
             pairs = [(y, p) for x, y in self._recent if (p := sum(map(operator.mul, w, x))) > 0]
             long = [(y, p) for y, p in pairs if p >= self.margin_from]
             ranked = sorted(y / p for y, p in (long if len(long) >= 16 else pairs))
