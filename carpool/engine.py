@@ -270,8 +270,7 @@ class LLMEngine:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
         ready: an empty fit predicts nothing, and the first users' steps would be sized by its
         trust region alone (64, 128, 256 tokens, ...), whatever they cost. The 512-token prompt
-        teaches the fit attention over a long prefix: with 256 at most, a burst's first steps
-        ran 8-10% over a 500 ms target (2-core Zen 1)."""
+        shows the fit attention over a long prefix."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
