@@ -135,9 +135,9 @@ class StepCostModel:
         `window` steps, so a plan that keeps `upper` under a target keeps about that share of real
         steps under it (0.99: a P99 TBT SLO counts nearly every step, since under load nearly every
         step is full; with 0.95 a first measured run on this CPU missed its target's P99 by 13%).
-        The ratios are taken against the current fit at each refit: ratios kept from the fit of
-        their day let a poor early fit hold the margin at its 2x cap for hundreds of steps, and
-        the policy then planned 250 ms steps for a 500 ms target.
+        The ratios are taken against the current fit (every `margin_every` steps): ratios kept
+        from the fit of their day let a poor early fit hold the margin at its 2x cap for hundreds
+        of steps, and the policy then planned 250 ms steps for a 500 ms target.
     margin_from: only steps predicted at least this long (seconds) set the margin, once 16 of
         them are in the window: a few ms of jitter is 70% of a lone decode and 1% of a full
         step, and a margin of 1.75x from served decodes held full steps to 70% of their target.
