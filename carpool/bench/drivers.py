@@ -152,8 +152,8 @@ class OnlineDriver:
 
     Token times are when each SSE chunk arrives at this client. With `logprobs` (default) the
     request asks for `logprobs: 0`, so each chunk says how many tokens it carries even when their
-    text is empty; without it, each non-empty chunk counts as one token (and the server's usage
-    count, when sent, reveals how many went unseen: `notes["tokens_not_seen"]`). The time a
+    text is empty; without it, each chunk counts as one token (see `count_tokens`), and the
+    server's usage count, when sent, reveals how many went unseen: `notes["tokens_not_seen"]`. The time a
     request was first scheduled is not visible over HTTP, so scheduling delay is None here."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
@@ -311,8 +311,9 @@ class OnlineDriver:
 
 def count_tokens(choice: dict) -> int:
     """Tokens in one streamed completion choice: the logprobs entries if present, else one per
-    non-empty text chunk."""
+    chunk that has text or is not the last (a server that sends a chunk per token, as vLLM and
+    carpool do, sends an empty one for a token whose text it holds back)."""
     lp = choice.get("logprobs")
     if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
         return len(lp["tokens"])
-    return 1 if choice.get("text") else 0
+    return 1 if choice.get("text") or (choice.get("text") == "" and choice.get("finish_reason") is None) else 0

@@ -113,7 +113,9 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
         called = [False] * len(group)
 
         def chunk(i: int, d: Delta) -> dict | None:
-            delta: dict = {"content": d.text} if d.text else {}
+            # One chunk per token, as vLLM sends: a token whose text is held (a partial character, a
+            # possible stop string) still arrives, with empty content.
+            delta: dict = {"content": d.text} if d.text or d.token_ids else {}
             parser = parsers[i]
             if parser is not None:  # text goes through the parser: content and call pieces
                 parsed = parser.feed(d.text)

@@ -89,7 +89,7 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
             if req.echo and first:
                 text, ids, lps = echoed(i, text, ids, lps, d.prompt_logprobs)
             started[i] = True
-            if not text and not d.finished and not (want_lp and ids):
+            if not text and not d.finished and not ids:  # a token with held text still gets its chunk
                 return None
             logprobs = logprobs_body(ctx, ids, lps, offsets[i]) if want_lp else None
             offsets[i] += len(text)

@@ -129,6 +129,7 @@ def test_count_tokens():
     assert count_tokens({"text": "ab", "logprobs": {"tokens": ["a", "b"]}}) == 2
     assert count_tokens({"text": "", "logprobs": {"tokens": ["\ufffd"]}}) == 1
     assert count_tokens({"text": "x", "logprobs": None}) == 1
+    assert count_tokens({"text": "", "finish_reason": None}) == 1  # a token whose text the server holds
     assert count_tokens({"text": "", "finish_reason": "length"}) == 0
 
 

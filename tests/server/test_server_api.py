@@ -61,6 +61,25 @@ def test_greedy_is_deterministic_and_streaming_matches(client, greedy):
     assert chunks[-1].usage.prompt_tokens == greedy.usage.prompt_tokens
 
 
+def test_a_token_whose_text_is_held_still_streams_a_chunk(served, client):
+    """As vLLM does: every token gets a chunk, so a client can time tokens, not characters. The
+    byte 0xE2 alone starts a UTF-8 character that never completes, so all its text is held."""
+    lead_byte = served.engine.tokenizer.convert_tokens_to_ids("\u00e2")  # byte-level BPE's 0xE2
+    for stream in (client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                             stream=True, logit_bias={str(lead_byte): 100},
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}),
+                   client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=4, temperature=0, stream=True,
+                                                  logit_bias={str(lead_byte): 100},
+                                                  stream_options={"include_usage": True})):
+        chunks = [c for c in stream]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        texts = [ch.text if hasattr(ch, "text") else ch.delta.content for ch in choices]
+        assert chunks[-1].usage.completion_tokens == 4
+        assert texts[-4:] == [""] * 4  # the chat stream's first chunk is the role's
+        assert choices[-1].finish_reason == "length"
+
+
 def test_prompt_forms(served, client, greedy):
     ids = tokenize(served, prompt=PROMPT)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0,
