@@ -221,4 +221,7 @@ class ModelRunner:
         rows = plan.logit_rows
         if not rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        if not plan.prompt_logprob_rows and rows[-1] - rows[0] == len(rows) - 1:
+            # Sampled rows ascend, so these are consecutive (every decode step): a view, not a gather.
+            return self.model.compute_logits(hidden[rows[0]:rows[-1] + 1])
         return self.model.compute_logits(hidden[rows])

@@ -92,20 +92,21 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-        logits = logits.clone()
-        apply_penalties(logits, requests)
-        apply_token_controls(logits, requests)
-        mask_stops_before_min_tokens(logits, requests)
+        if grammar is not None or any(r.sampling_params.edits_logits for r in requests):
+            logits = logits.clone()  # edited below; the caller's logits stay as they came
+            apply_penalties(logits, requests)
+            apply_token_controls(logits, requests)
+            mask_stops_before_min_tokens(logits, requests)
 
         errors: list[str | None] = [None] * len(requests)
         for i in grammar.apply(logits) if grammar is not None else ():
             errors[i] = ("sampling failed: no token the structured output allows is left (min_tokens, "
                          "logit_bias, allowed_token_ids or bad_words exclude them all)")
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
-        # amax propagates NaN, so one reduction finds both.
-        for i in torch.nonzero(~(logits.amax(dim=-1) < float("inf"))).flatten().tolist():
+        # max propagates NaN, so one reduction finds both, and the greedy tokens with them.
+        best, tokens = logits.max(dim=-1)
+        for i in torch.nonzero(~(best < float("inf"))).flatten().tolist():
             errors[i] = "sampling failed: the logits became NaN or infinite (check the penalties)"
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]
         if random_rows:
             params = [requests[i].sampling_params for i in random_rows]

@@ -192,3 +192,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether a penalty or a token control may change this request's logits before sampling."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words) or self.min_tokens > 0)
