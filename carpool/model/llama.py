@@ -105,30 +105,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Looks up cos/sin for a step's positions once; every layer reuses them.
 
-    The values come from a table per dtype, computed as transformers computes them and grown
-    (doubling) as positions need: one lookup a step instead of eight small ops."""
+    As vLLM does, the values for every position the model can hold are computed once (per dtype,
+    at the first step; as transformers computes them): a lookup a step instead of eight small ops."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         inv_freq, self.attention_scaling = rope_parameters(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_positions = config.max_position_embeddings
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [2 (cos, sin), positions, head_dim]
 
-    def table(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
-        table = self._tables.get(dtype)
-        if table is None or table.shape[1] < num_positions:
-            size = max(1024, 1 << (num_positions - 1).bit_length())
-            positions = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
+    def table(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._tables:
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device=self.inv_freq.device)
             freqs = positions[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
             if self.attention_scaling != 1.0:  # yarn: as transformers, on the fp32 cos/sin
                 cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-            table = self._tables[dtype] = torch.stack((cos, sin)).to(dtype)
-        return table
+            self._tables[dtype] = torch.stack((cos, sin)).to(dtype)
+        return self._tables[dtype]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.table(int(positions.max()) + 1 if positions.numel() else 1, dtype).index_select(1, positions)
+        rows = self.table(dtype).index_select(1, positions)
         return rows[0][:, None, :], rows[1][:, None, :]
 
 
