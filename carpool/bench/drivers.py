@@ -316,4 +316,5 @@ def count_tokens(choice: dict) -> int:
     lp = choice.get("logprobs")
     if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
         return len(lp["tokens"])
-    return 1 if choice.get("text") or (choice.get("text") == "" and choice.get("finish_reason") is None) else 0
+    text = choice.get("text")
+    return 1 if text or (text == "" and choice.get("finish_reason") is None) else 0
