@@ -72,7 +72,7 @@ def test_a_token_whose_text_is_held_still_streams_a_chunk(served, client):
                                                   max_tokens=4, temperature=0, stream=True,
                                                   logit_bias={str(lead_byte): 100},
                                                   stream_options={"include_usage": True})):
-        chunks = [c for c in stream]
+        chunks = list(stream)
         choices = [c.choices[0] for c in chunks if c.choices]
         texts = [ch.text if hasattr(ch, "text") else ch.delta.content for ch in choices]
         assert chunks[-1].usage.completion_tokens == 4
