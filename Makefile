@@ -1,10 +1,12 @@
 # Two commands on a fresh machine: `make run` (serve the embedded model) and `make test`.
+# `make test` is the fast tier developers run (<= 8 min on 2 cores); `make test-all` runs every
+# test with the full hypothesis profile, as CI does.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo chat test test-slow bench clean
+.PHONY: setup run demo chat test test-all test-slow bench clean
 
 setup: $(STAMP)
 
@@ -26,10 +28,13 @@ chat: setup
 	$(VENV)/bin/carpool chat
 
 test: setup
-	$(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q --durations=15
+
+test-all: setup
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "slow or not slow" --durations=25
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m slow --durations=15
 
 bench: setup
 	$(VENV)/bin/carpool bench hybrid

@@ -6,12 +6,19 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Eager forwards unless a test asks for the compiled one: the suite builds hundreds of engines,
 # and compiling each would add minutes (tests/model/test_compiled.py covers compilation).
 os.environ.setdefault("CARPOOL_ENFORCE_EAGER", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Hypothesis profiles: `dev` (make test) runs a quarter of each property test's examples, `ci`
+# (make test-all, CI) all of them. Tests size their runs with `helpers.examples(n)`.
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 from carpool.config import default_model_path  # noqa: E402
 

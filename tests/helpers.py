@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 from carpool.core.block_manager import BlockManager, blocks_for
 from carpool.core.scheduler import make_scheduler
 from carpool.sampling_params import SamplingParams
+
+EXAMPLE_SCALE = {"dev": 0.25, "ci": 1.0}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
+
+
+def examples(n: int) -> int:
+    """How many examples a property test runs: `n` under the `ci` profile, a quarter under `dev`
+    (tests/conftest.py), never fewer than 2."""
+    return max(2, round(n * EXAMPLE_SCALE))
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from carpool.request import Request
 from carpool.sampler import Sampler, apply_penalties, filter_top_k_top_p_min_p, mask_stops_before_min_tokens
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 VOCAB = 16
 
@@ -38,7 +39,7 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 # ------------------------------------------------------------------ greedy
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 6))
 def test_greedy_is_argmax(seed, rows):
     logits = random_logits(rows, seed=seed)
@@ -48,7 +49,7 @@ def test_greedy_is_argmax(seed, rows):
     assert logprobs == [None] * rows
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_top_k_one_equals_greedy(seed):
     logits = random_logits(4, seed=seed)
@@ -169,7 +170,7 @@ def reference_keep(row: list[float], k: int, p: float, min_p: float) -> tuple[se
     return keep, margin
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     vocab=st.integers(2, 24),
     data=st.data(),
@@ -272,7 +273,7 @@ def test_penalties_only_touch_their_own_row():
     assert x[2].tolist() == [0.25, 1, 1, 1, 1]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     prompt=st.lists(st.integers(0, 9), min_size=1, max_size=8),
     output=st.lists(st.integers(0, 9), max_size=8),
@@ -334,7 +335,7 @@ def test_min_tokens_masks_for_random_sampling():
 # ------------------------------------------------------------------ logprobs
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(0, 6), temperature=st.sampled_from([0.0, 0.7, 1.0]))
 def test_logprobs_are_raw_log_softmax(seed, n, temperature):
     logits = random_logits(3, seed=seed)

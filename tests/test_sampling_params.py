@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 BAD = [
     ("max_tokens", 0),
@@ -136,7 +137,7 @@ def test_greedy_and_penalty_flags():
     assert SamplingParams(frequency_penalty=-0.1).has_penalties
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     max_tokens=st.integers(-5, 50),
     min_tokens=st.integers(-5, 60),

@@ -10,6 +10,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from carpool.core.block_manager import BlockManager, blocks_for
 from carpool.request import Request
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 
 def make_request(rid: str, prompt_len: int = 4) -> Request:
@@ -188,6 +189,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=40, deadline=None,
+    max_examples=examples(80), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestBlockManagerMachine = BlockManagerMachine.TestCase

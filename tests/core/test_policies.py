@@ -10,6 +10,7 @@ from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import SCHEDULERS, ScheduledBatch, make_scheduler
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 POLICIES = sorted(SCHEDULERS)
 
@@ -120,7 +121,7 @@ def test_hybrid_only_mixes_whole_prompts():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 10)), min_size=1, max_size=8),
        budget=st.integers(8, 64), arrive_every=st.integers(0, 3))
 def test_every_policy_finishes_everything_and_frees_all_blocks(policy, lengths, budget, arrive_every):

@@ -19,6 +19,7 @@ from carpool.core.block_manager import ROOT_KEY, BlockManager, block_key
 from carpool.core.scheduler import SCHEDULERS, ScheduledBatch, make_scheduler
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 
 def fake_token(prefix: list[int]) -> int:
@@ -189,7 +190,7 @@ def build_prompt(op, docs, finished: list[Request]) -> list[int]:
     return docs[doc][:max(1, cut)] + suffix
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_random_streams_keep_cache_invariants(w):
     policy, block_size, num_blocks, capacity, budget, depth, docs, ops, abort_prob, seed = w

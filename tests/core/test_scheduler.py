@@ -12,6 +12,7 @@ from carpool.core.block_manager import BlockManager, blocks_for
 from carpool.core.scheduler import SarathiScheduler, ScheduledBatch, make_scheduler
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 FAKE_TOKEN = 7
 
@@ -246,13 +247,13 @@ def run_workload(block_size, num_blocks, budget, max_num_seqs, specs, abort_prob
     return h
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_invariants_and_finish(w):
     run_workload(*w)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.integers(1, 4), budget=st.integers(1, 16), max_num_seqs=st.integers(2, 8),
        n=st.integers(2, 6), seed=st.integers(0, 1000))
 def test_tight_caches_force_preemption_yet_finish(block_size, budget, max_num_seqs, n, seed):

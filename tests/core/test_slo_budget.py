@@ -13,6 +13,7 @@ from carpool.core.scheduler import SloSarathiScheduler, make_scheduler
 from carpool.core.step_cost import FEATURES, BatchShape, StepCostModel
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from tests.helpers import examples
 
 
 def fixed_model(weights: list[float]) -> StepCostModel:
@@ -60,7 +61,7 @@ weights = st.lists(st.floats(0, 1), min_size=len(FEATURES), max_size=len(FEATURE
     lambda w: [w[0] * 0.02 + 1e-3] + [x * 0.5 for x in w[1:]])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(w=weights, target=st.floats(0.005, 0.3),
        lengths=st.lists(st.tuples(st.integers(1, 700), st.integers(1, 12)), min_size=1, max_size=10),
        arrive_every=st.integers(1, 4))

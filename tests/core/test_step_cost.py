@@ -17,6 +17,7 @@ from carpool.core.step_cost import (
     features,
     nonnegative_least_squares,
 )
+from tests.helpers import examples
 
 
 def true_time(shape: BatchShape) -> float:
@@ -107,7 +108,7 @@ def test_an_empty_model_trusts_only_small_batches():
     assert model.trusted_tokens() == 200
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(st.lists(st.floats(0, 10), min_size=3, max_size=3), min_size=3, max_size=20),
        st.lists(st.floats(-5, 5), min_size=20, max_size=20))
 def test_nonnegative_least_squares_is_nonnegative_and_no_worse_than_zero(rows, ys):

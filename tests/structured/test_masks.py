@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.structured.masks import GrammarMasks
+from tests.helpers import examples
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.data())
 def test_apply_keeps_exactly_the_allowed_tokens(data):
     batch = data.draw(st.integers(1, 5))

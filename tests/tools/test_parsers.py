@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from carpool.tools import TOOL_PARSERS, HermesToolParser, StreamDelta, get_tool_parser
 from carpool.tools.forced import NamedCallParser, RequiredCallsParser
+from tests.helpers import examples
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
 
@@ -109,7 +110,7 @@ def _splits(draw, text: str):
     return [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.data())
 def test_hermes_streaming_agrees_with_whole_text_at_any_split(data):
     text, texts, inserted = data.draw(_hermes_output())
