@@ -1,6 +1,6 @@
 """Engine arguments in one place: the command-line flags are generated from `EngineConfig`'s
-fields (name, type, default; only help text and short names are added here), and vLLM's engine
-arguments are honoured (a field of the same name), mapped (another name or unit for a field), or
+fields (name, type, default, and the help and argparse extras in each field's metadata), and
+vLLM's engine arguments are honoured (a field of the same name), mapped (another name or unit for a field), or
 ignored with one warning each -- never a TypeError for an argument a vLLM script passes.
 `LLM(...)` uses `engine_config`; every `carpool` command that runs an engine uses
 `add_engine_args` / `engine_config_from_args`; `carpool serve` also accepts vLLM's flags."""
@@ -12,7 +12,7 @@ import logging
 from dataclasses import MISSING, fields
 from typing import Any
 
-from carpool.config import EngineConfig, parse_memory
+from carpool.config import EngineConfig
 
 log = logging.getLogger("carpool")
 
@@ -41,44 +41,19 @@ IGNORED: dict[str, str] = {
 }
 _warned: set[str] = set()
 
-# What the dataclass cannot say about a flag: help, a short name, a parser or the choices.
-FLAG_EXTRAS: dict[str, dict[str, Any]] = {
-    "model": {"help": "HF model folder, .gguf file or cached HF repo id "
-                      "(default: embedded SmolLM2-135M-Instruct)"},
-    "dtype": {"help": "auto, float32, bfloat16, float16"},
-    "device": {"help": "auto, cpu, cuda"},
-    "max_num_batched_tokens": {"help": "token budget per iteration"},
-    "kv_cache_memory": {"type": parse_memory,
-                        "help": "bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)"},
-    "scheduler": {"help": "sarathi (default), vllm, orca, request-level, chunked-only, hybrid-only"},
-    "target_tbt_ms": {"help": "sarathi: size each iteration's prefill so its predicted time stays within this "
-                              "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)"},
-    "cost_profile": {"help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"},
-    "enable_prefix_caching": {"help": "reuse the KV cache of prompt prefixes computed before (default: on)"},
-    "num_threads": {"help": "torch intra-op threads (per worker process with TP/PP; default: cores / processes)"},
-    "quantization": {"short": "-q", "choices": ("auto", "none", "int8", "int4"),
-                     "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
-                             "its own 4/8 bits in bf16/fp16, anything else none)"},
-    "tensor_parallel_size": {"short": "-tp", "help": "shard every layer over this many worker processes"},
-    "generation_config": {"help": "default sampling parameters: auto (the model's generation_config.json), "
-                                  "vllm (none), or a folder holding a generation_config.json"},
-    "enforce_eager": {"help": "run the forward eagerly instead of compiled by torch.compile (default: compiled, "
-                              "warmed up at start-up; CARPOOL_ENFORCE_EAGER=1 also turns it off)"},
-    "pipeline_parallel_size": {"short": "-pp",
-                               "help": "split the layers into this many pipeline stages, one micro-batch in flight each"},
-}
 # Fields set another way: the environment (torchrun's rendezvous) or their default.
-NOT_FLAGS = frozenset({"distributed_init_method", "distributed_timeout"})
+NOT_FLAGS = frozenset(f.name for f in fields(EngineConfig) if f.metadata.get("flag", True) is False)
 _SCALARS = {"int": int, "float": float, "str": str}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, named as the field (as vLLM names them)."""
+    """One flag per EngineConfig field, named as the field (as vLLM names them), with the help,
+    short name, parser and choices its metadata holds."""
     g = p.add_argument_group("engine (named as in vllm serve)")
     for f in fields(EngineConfig):
         if f.name in NOT_FLAGS:
             continue
-        extras = dict(FLAG_EXTRAS.get(f.name, {}))
+        extras = dict(f.metadata)
         names = ["--" + f.name.replace("_", "-")] + ([extras.pop("short")] if "short" in extras else [])
         default = None if f.default is MISSING else f.default
         if f.type in ("bool", "bool | None"):

@@ -134,45 +134,78 @@ class ModelConfig:
     generation_defaults: dict = field(default_factory=dict)
 
 
+# The policies of carpool/core/scheduler.py by name, so that the config checks a name without
+# importing the engine (tests/test_args.py checks that its SCHEDULERS registry has these names).
+SCHEDULER_NAMES = ("sarathi", "vllm", "orca", "request-level", "chunked-only", "hybrid-only")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().replace("ib", "").replace("b", "")
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(float(s))
+
+
 @dataclass
 class EngineConfig:
-    """Everything `LLMEngine` needs; CLI flags map 1:1 onto these fields (named as in vLLM)."""
+    """Everything `LLMEngine` needs. Each field is a command-line flag of the same name (as vLLM
+    names them; carpool/args.py): its metadata holds the flag's help and whatever else argparse
+    needs beyond the field's type and default (`short`, a second name; `type`, a parser;
+    `choices`). `"flag": False` marks a field set another way."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_batched_tokens: int = 512
+    model: str | None = field(default=None, metadata={
+        "help": "HF model folder, .gguf file or cached HF repo id (default: embedded SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per iteration"})
     max_num_seqs: int = 256
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: see default_kv_cache_memory
-    scheduler: str = "sarathi"
+    kv_cache_memory: int | None = field(default=None, metadata={  # None: see default_kv_cache_memory
+        "help": "bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)", "type": parse_memory})
+    scheduler: str = field(default="sarathi", metadata={
+        "help": "sarathi (default), vllm, orca, request-level, chunked-only, hybrid-only"})
     # Reuse the KV of full blocks whose whole prefix was computed before (core/block_manager.py).
-    enable_prefix_caching: bool = True
-    # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler): each iteration's
-    # prefill is sized so the predicted step time stays within this many ms; the budget above
-    # becomes a cap. `cost_profile`: a `carpool profile` CSV that seeds the step-time fit (and
-    # the chunk sizes it snaps to); without one the fit starts from the engine's first steps.
-    target_tbt_ms: float | None = None
-    cost_profile: str | None = None
-    num_threads: int | None = None  # torch threads (per worker process with TP/PP)
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV cache of prompt prefixes computed before (default: on)"})
+    # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler). Without a
+    # `cost_profile` the step-time fit starts from the engine's first steps; a profile also gives
+    # the chunk sizes the fit snaps to.
+    target_tbt_ms: float | None = field(default=None, metadata={
+        "help": "sarathi: size each iteration's prefill so its predicted time stays within this "
+                "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)"})
+    cost_profile: str | None = field(default=None, metadata={
+        "help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch intra-op threads (per worker process with TP/PP; default: cores / processes)"})
     seed: int = 0
-    # Weight-only quantized linears on CPU (model/quant.py): none, int8, int4, or auto (a GGUF's
-    # own 4/8-bit precision on CPU in bf16/fp16, else none; loader.resolve_quantization).
-    quantization: str = "auto"
-    # Default sampling parameters (vLLM's --generation-config): "auto" takes the model folder's
-    # generation_config.json, "vllm" none (SamplingParams' own), a folder path that folder's.
-    generation_config: str = "auto"
-    # Run the forward eagerly instead of compiled (model/compiled.py; vLLM's flag). None: the
-    # environment's CARPOOL_ENFORCE_EAGER=1 (the test suite sets it: it builds hundreds of
-    # engines), else False.
-    enforce_eager: bool | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    # model/quant.py; "auto" is resolved by loader.resolve_quantization.
+    quantization: str = field(default="auto", metadata={
+        "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
+                "its own 4/8 bits in bf16/fp16, anything else none)",
+        "short": "-q", "choices": QUANTIZATIONS})
+    # vLLM's --generation-config; "vllm" leaves SamplingParams' own defaults.
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters: auto (the model's generation_config.json), "
+                "vllm (none), or a folder holding a generation_config.json"})
+    # model/compiled.py. None: the environment's CARPOOL_ENFORCE_EAGER=1 (the test suite sets it:
+    # it builds hundreds of engines), else False.
+    enforce_eager: bool | None = field(default=None, metadata={
+        "help": "run the forward eagerly instead of compiled by torch.compile (default: compiled, "
+                "warmed up at start-up; CARPOOL_ENFORCE_EAGER=1 also turns it off)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "shard every layer over this many worker processes", "short": "-tp"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "split the layers into this many pipeline stages, one micro-batch in flight each", "short": "-pp"})
     # How the T x P worker processes meet: None spawns them on this host (loopback rendezvous);
     # "env://" joins ranks started by torchrun (MASTER_ADDR/PORT, RANK, WORLD_SIZE), see README.
-    distributed_init_method: str | None = None
-    distributed_timeout: float = 600.0  # seconds a collective or stage-to-stage transfer may take
+    # Set by the environment (CARPOOL_DISTRIBUTED_INIT), not a flag.
+    distributed_init_method: str | None = field(default=None, metadata={"flag": False})
+    # Seconds a collective or stage-to-stage transfer may take; not a flag.
+    distributed_timeout: float = field(default=600.0, metadata={"flag": False})
 
     @property
     def world_size(self) -> int:
@@ -187,10 +220,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
-        from carpool.core.scheduler import SCHEDULERS
-
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULERS)}")
+        if self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULER_NAMES)}")
         if self.target_tbt_ms is not None:
             if not (self.target_tbt_ms > 0 and self.target_tbt_ms < float("inf")):
                 raise ValueError(f"target_tbt_ms must be a positive number, got {self.target_tbt_ms}")
@@ -200,7 +231,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose auto, none, int8 or int4")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config)
                                                                    / "generation_config.json").is_file():
@@ -217,12 +248,3 @@ class EngineConfig:
                              f"not {self.distributed_init_method!r}")
         if self.model is None:
             self.model = os.environ.get("CARPOOL_MODEL") or default_model_path()
-
-
-def parse_memory(text: str) -> int:
-    """'2GiB', '512MB', '1e9' -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = text.strip().lower().replace("ib", "").replace("b", "")
-    if s and s[-1] in units:
-        return int(float(s[:-1]) * units[s[-1]])
-    return int(float(s))

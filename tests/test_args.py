@@ -1,14 +1,18 @@
-"""Engine flags are generated from EngineConfig: every field has one, with the field's default."""
+"""Engine flags are generated from EngineConfig: every field has one, with the field's default and
+the help its metadata holds."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
+from carpool import config
 from carpool.args import NOT_FLAGS, add_engine_args, engine_config_from_args
-from carpool.config import EngineConfig
+from carpool.config import SCHEDULER_NAMES, EngineConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -39,3 +43,34 @@ def test_bad_values_are_argparse_errors():
         parse("--max-num-seqs", "many")
     with pytest.raises(SystemExit):
         parse("--quantization", "int3")
+
+
+def test_help_and_short_names_come_from_the_field_metadata():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    actions = {a.dest: a for a in p._actions}
+    quantization = next(f for f in fields(EngineConfig) if f.name == "quantization")
+    assert actions["quantization"].help == quantization.metadata["help"]
+    assert actions["quantization"].option_strings == ["--quantization", "-q"]
+    assert actions["quantization"].choices == quantization.metadata["choices"]
+    assert actions["max_num_seqs"].help is None  # no metadata, no help
+    assert NOT_FLAGS == {"distributed_init_method", "distributed_timeout"}
+    assert not NOT_FLAGS & set(actions)
+
+
+def test_config_names_the_schedulers_without_importing_them():
+    """config.py is a leaf: it checks scheduler names against its own list, which must be the
+    scheduler registry's, in the registry's order (the error message lists them)."""
+    from carpool.core.scheduler import SCHEDULERS
+
+    assert tuple(SCHEDULERS) == SCHEDULER_NAMES
+    imported = set()
+    for node in ast.walk(ast.parse(Path(config.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    # The one carpool import: resolve_dtype asks whether carpool's C kernels exist on this host.
+    assert {m for m in imported if m.startswith("carpool")} == {"carpool.model"}
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        EngineConfig(model="m.gguf", scheduler="nope")
