@@ -121,20 +121,6 @@ def cmd_bench_hybrid(args) -> int:
     return 0
 
 
-def cmd_bench_attention(args) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from carpool.bench.attention import run_attention_bench, write_outputs
-
-    dtype = getattr(torch, args.dtype)
-    pairs = lambda spec: [tuple(int(x) for x in item.split("x")) for item in spec.split(",")]
-    rows = run_attention_bench(dtype, pairs(args.decodes), pairs(args.chunks), args.repeats)
-    write_outputs(rows, dtype, Path(args.output))
-    return 0
-
-
 def cmd_bench_quant(args) -> int:
     from carpool.bench.quant import run_quant_bench
 
@@ -218,7 +204,7 @@ def cmd_capacity(args) -> int:
 
 
 def _add_capacity_args(p: argparse.ArgumentParser) -> None:
-    from carpool.bench.options import positive_float, positive_int
+    from carpool.harness.options import positive_float, positive_int
 
     g = p.add_argument_group("capacity search (defaults: the full preset; --quick: the quick one, see BENCHMARKS.md)")
     g.add_argument("--quick", action="store_true", help="short runs: 30 s per rate, <= 6 rates, 15%% resolution")
@@ -279,15 +265,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(h)
     h.set_defaults(func=cmd_bench_hybrid)
 
-    a = bench.add_parser("attention", help="the engine's attention (SDPA, C decode kernel) vs the grouped batched matmuls it "
-                                           "replaced, per layer call")
-    a.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    a.add_argument("--decodes", default="1x512,1x2048,16x512,32x1024", help="BATCHxCONTEXT,...")
-    a.add_argument("--chunks", default="64x512,256x512,256x2048,512x1024,1024x1024", help="CHUNKxCACHED,...")
-    a.add_argument("--repeats", type=int, default=20)
-    a.add_argument("--output", default="bench_results/attention")
-    a.set_defaults(func=cmd_bench_attention)
-
     k = bench.add_parser("soak", help="minutes of mixed valid, malformed, disconnecting, slow and bursty clients "
                                       "against a `carpool serve` process: no 5xx, nothing leaked, outputs intact")
     k.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
@@ -302,13 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--output", default="bench_results/soak")
     k.set_defaults(func=cmd_bench_soak)
 
-    from carpool.bench import options as bo
+    from carpool.harness import options as opts
 
     q = bench.add_parser("quant", help="int8/int4 weight-only kernels vs oneDNN bf16 per weight shape and "
                                        "token count; single-stream decode per --quantization mode")
-    q.add_argument("--tokens", type=bo.int_list, default=[1, 2, 4, 16, 64, 256, 512])
-    q.add_argument("--rounds", type=bo.positive_int, default=3, help="best of this many passes per point")
-    q.add_argument("--modes", type=bo.str_list, default=["none", "int8", "int4"],
+    q.add_argument("--tokens", type=opts.int_list, default=[1, 2, 4, 16, 64, 256, 512])
+    q.add_argument("--rounds", type=opts.positive_int, default=3, help="best of this many passes per point")
+    q.add_argument("--modes", type=opts.str_list, default=["none", "int8", "int4"],
                    help="--quantization modes whose single-stream decode is timed")
     q.add_argument("--new-tokens", type=int, default=64, help="decode length per mode (0: skip)")
     q.add_argument("--output", default="bench_results/quant")
@@ -317,23 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = bench.add_parser("structured", help="structured outputs: every output of 53 JSON schemas validates; "
                                              "decode step time, all rows constrained vs none")
-    st.add_argument("--batch", type=bo.positive_int, default=16, help="requests decoding together")
-    st.add_argument("--rounds", type=bo.positive_int, default=8, help="rounds per mode, alternating")
-    st.add_argument("--decode-tokens", type=bo.positive_int, default=24, help="max tokens per timed request")
-    st.add_argument("--max-tokens", type=bo.positive_int, default=200, help="max tokens per validity request")
+    st.add_argument("--batch", type=opts.positive_int, default=16, help="requests decoding together")
+    st.add_argument("--rounds", type=opts.positive_int, default=8, help="rounds per mode, alternating")
+    st.add_argument("--decode-tokens", type=opts.positive_int, default=24, help="max tokens per timed request")
+    st.add_argument("--max-tokens", type=opts.positive_int, default=200, help="max tokens per validity request")
     st.add_argument("--output", default="bench_results/structured")
     add_engine_args(st)
     st.set_defaults(func=cmd_bench_structured)
 
     def serving_like(name: str, help: str, output: str, workload: dict, func, qps_default) -> argparse.ArgumentParser:
         s = bench.add_parser(name, help=help)
-        s.add_argument("--schedulers", type=bo.scheduler_list, default=None,
+        s.add_argument("--schedulers", type=opts.scheduler_list, default=None,
                        help="comma list of NAME[:BUDGET] to compare in process (default: --scheduler)")
-        s.add_argument("--qps", type=bo.float_list, default=qps_default, help="request rate(s), comma list")
-        s.add_argument("--timeline-requests", type=bo.positive_int, default=40, help="requests drawn in timeline.png")
-        bo.add_workload_args(s, **workload)
-        bo.add_driver_args(s)
-        bo.add_output_args(s, output)
+        s.add_argument("--qps", type=opts.float_list, default=qps_default, help="request rate(s), comma list")
+        s.add_argument("--timeline-requests", type=opts.positive_int, default=40, help="requests drawn in timeline.png")
+        opts.add_workload_args(s, **workload)
+        opts.add_driver_args(s)
+        opts.add_output_args(s, output)
         add_engine_args(s)
         s.set_defaults(func=func)
         return s
@@ -341,52 +318,52 @@ def build_parser() -> argparse.ArgumentParser:
     serving_like("serving", "replay a workload (in process or against --base-url); latency/throughput metrics",
                  "bench_results/serving", {}, cmd_bench_serving, None)
     b = serving_like("burst", "16 requests at once (prompts 64..1024, outputs 64..256): tok/s, TBT, largest gap",
-                     "bench_results/burst", bo.BURST, cmd_bench_burst, None)
-    b.add_argument("--reference-tps", type=bo.positive_float, default=44.0,
+                     "bench_results/burst", opts.BURST, cmd_bench_burst, None)
+    b.add_argument("--reference-tps", type=opts.positive_float, default=44.0,
                    help="output tok/s to compare against (llama.cpp server on this machine: ~44)")
-    b.add_argument("--max-gap", type=bo.positive_float, default=0.5, help="seconds; the gap goal")
+    b.add_argument("--max-gap", type=opts.positive_float, default=0.5, help="seconds; the gap goal")
     serving_like("ablation", "hybrid-only vs chunked-only vs sarathi at one QPS (Sarathi-Serve Table 4)",
-                 "bench_results/ablation", bo.LONG_PROMPT, cmd_bench_ablation, [1.0])
+                 "bench_results/ablation", opts.LONG_PROMPT, cmd_bench_ablation, [1.0])
 
     s = bench.add_parser("budget-sweep", help="token budgets: chunked-prefill overhead, TBT P99, capacity")
-    s.add_argument("--budgets", type=bo.int_list, default=[128, 256, 512, 1024, 2048])
+    s.add_argument("--budgets", type=opts.int_list, default=[128, 256, 512, 1024, 2048])
     s.add_argument("--sweep-scheduler", default="sarathi")
-    s.add_argument("--qps", type=bo.float_list, default=[1.0], help="rate(s) of the serving runs")
-    s.add_argument("--overhead-prompt-len", type=bo.positive_int, default=2048,
+    s.add_argument("--qps", type=opts.float_list, default=[1.0], help="rate(s) of the serving runs")
+    s.add_argument("--overhead-prompt-len", type=opts.positive_int, default=2048,
                    help="prompt whose prefill time is compared chunked vs in one iteration")
-    s.add_argument("--overhead-repeats", type=bo.positive_int, default=3)
-    s.add_argument("--capacity-slo", type=bo.str_list, default=None,
+    s.add_argument("--overhead-repeats", type=opts.positive_int, default=3)
+    s.add_argument("--capacity-slo", type=opts.str_list, default=None,
                    help="also search capacity per budget under these SLOs (comma list, e.g. strict,relaxed)")
-    bo.add_workload_args(s, **bo.LONG_PROMPT)
-    bo.add_output_args(s, "bench_results/budget_sweep")
+    opts.add_workload_args(s, **opts.LONG_PROMPT)
+    opts.add_output_args(s, "bench_results/budget_sweep")
     _add_capacity_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_bench_budget_sweep, base_url=None)
 
     p = sub.add_parser("capacity", help="highest QPS meeting P99 TBT and P50 scheduling-delay SLOs, per scheduler")
-    p.add_argument("--schedulers", type=bo.scheduler_list, default=bo.scheduler_list("sarathi,vllm"),
+    p.add_argument("--schedulers", type=opts.scheduler_list, default=opts.scheduler_list("sarathi,vllm"),
                    help="comma list of NAME[:BUDGET][@SLO] (default: sarathi,vllm)")
-    p.add_argument("--slo", type=bo.str_list, default=["strict", "relaxed"],
+    p.add_argument("--slo", type=opts.str_list, default=["strict", "relaxed"],
                    help="comma list: strict (5x reference decode), relaxed (25x), <k>x, <seconds>, <n>ms")
-    bo.add_workload_args(p, **bo.LONG_PROMPT)
-    bo.add_driver_args(p)
-    bo.add_output_args(p, "bench_results/capacity")
+    opts.add_workload_args(p, **opts.LONG_PROMPT)
+    opts.add_driver_args(p)
+    opts.add_output_args(p, "bench_results/capacity")
     _add_capacity_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_capacity)
 
     s = bench.add_parser("pipeline", help="pipeline bubbles (idle stage time) per scheduler with "
                                           "--pipeline-parallel-size > 1 (Sarathi section 5.3)")
-    s.add_argument("--schedulers", type=bo.str_list, default=["sarathi", "vllm", "orca"],
+    s.add_argument("--schedulers", type=opts.str_list, default=["sarathi", "vllm", "orca"],
                    help="comma list of policies, each replaying the same workload")
-    s.add_argument("--qps", type=bo.positive_float, default=1.0, help="request rate (Poisson arrivals)")
+    s.add_argument("--qps", type=opts.positive_float, default=1.0, help="request rate (Poisson arrivals)")
     s.add_argument("--workload-seed", type=int, default=0)
     s.add_argument("--max-other-cpu", type=float, default=0.3,
                    help="wait for a quiet host, and run again if other processes used more CPU cores "
                         "than this during a run (a negative value disables the check)")
     s.add_argument("--retries", type=int, default=2)
     s.add_argument("--output", default="bench_results/pipeline")
-    bo.add_workload_args(s, lengths="uniform", num_requests=64, prompt_range=(64, 1024), output_range=(16, 128))
+    opts.add_workload_args(s, lengths="uniform", num_requests=64, prompt_range=(64, 1024), output_range=(16, 128))
     add_engine_args(s)
     s.set_defaults(func=cmd_bench_pipeline)
 
@@ -398,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("fidelity", help="simulator vs the real engine on the same workload (this machine)")
-    from carpool.bench.options import add_workload_args, positive_float, scheduler_list
+    from carpool.harness.options import add_workload_args, positive_float, scheduler_list
 
     p.add_argument("--profile", default="bench_results/profile.csv", help="from `carpool profile`")
     p.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi,vllm"))

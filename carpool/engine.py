@@ -290,12 +290,11 @@ class LLMEngine:
         """A target TBT for sarathi, with the step-time fit seeded from a profile if one is given."""
         if config.target_tbt_ms is None:
             return {}
-        from carpool.core.step_cost import StepCostModel
+        from carpool.core.cost_profile import ProfiledCostModel
+        from carpool.core.step_cost import StepCostModel, seeded_step_cost
 
         cost, sizes = StepCostModel(), None
         if config.cost_profile:
-            from carpool.sim.cost_model import ProfiledCostModel, seeded_step_cost
-
             profile = ProfiledCostModel.load(config.cost_profile)
             cost, sizes = seeded_step_cost(profile, config.max_num_batched_tokens, self.max_model_len)
         return {"target_tbt": config.target_tbt_ms / 1e3, "cost": cost, "chunk_sizes": sizes}

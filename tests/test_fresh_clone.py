@@ -21,7 +21,7 @@ SCRIPT = """
 import json, sys
 from pathlib import Path
 import carpool
-from carpool.bench.workload import PromptSource, WorkloadConfig, build_workload, load_trace
+from carpool.harness.workload import PromptSource, WorkloadConfig, build_workload, load_trace
 from carpool.cli import main
 
 clone = Path.cwd().resolve()

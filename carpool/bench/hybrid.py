@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from carpool.bench.synthetic import SyntheticBatches
 from carpool.config import EngineConfig, cpu_has_fast_bf16
 from carpool.engine import LLMEngine
+from carpool.harness.synthetic import SyntheticBatches, median_time
 from carpool.model.llama import PackedLinear
 from carpool.model.quant import QuantizedLinear
 
@@ -46,16 +45,6 @@ def measure_machine(repeats: int = 5, size: int = 2048) -> Machine:
     copy = median_time(lambda: dst.copy_(src), repeats)
     read = median_time(lambda: src.sum(), repeats)
     return Machine(rates, 2 * src.numel() * 4 / copy / 1e9, torch.get_num_threads(), src.numel() * 4 / read / 1e9)
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:

@@ -114,7 +114,7 @@ def _dist(values: list[float]) -> dict:
 
 
 def workload_from_args(args):
-    from carpool.bench.workload import WorkloadConfig
+    from carpool.harness.workload import WorkloadConfig
 
     return WorkloadConfig(num_requests=args.num_requests, lengths=args.lengths, prompt_len=args.prompt_len,
                           output_len=args.output_len, min_prompt_len=args.prompt_range[0],
@@ -153,9 +153,9 @@ def run_one(config: EngineConfig, wcfg, prompt_corpus: str | None = None) -> dic
     """One engine, one workload replay; serving summary plus the pipeline report. Also the CPU
     other processes used meanwhile (`other_cpu_cores`): the driver and its workers are the
     measurement, anything else on the host skews it."""
-    from carpool.bench.drivers import InProcessDriver
-    from carpool.bench.metrics import summarize
-    from carpool.bench.workload import PromptSource, build_workload, describe
+    from carpool.harness.drivers import InProcessDriver
+    from carpool.harness.metrics import summarize
+    from carpool.harness.workload import PromptSource, build_workload, describe
     from carpool.engine import LLMEngine
 
     engine = LLMEngine(config)

@@ -20,14 +20,14 @@ from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 
-from carpool.bench import plots
-from carpool.bench.capacity import SLO, CapacityResult, Evaluation, SLOMonitor, parse_slo, search_capacity
-from carpool.bench.drivers import InProcessDriver, OnlineDriver, RunResult
 from carpool.bench.hostload import ContentionMonitor, combine, wait_for_quiet
-from carpool.bench.metrics import Summary, decode_iteration_median, summarize, tbts, write_report
-from carpool.bench.options import SchedulerSpec
-from carpool.bench.workload import PromptSource, RequestSpec, WorkloadConfig, build_workload, describe
 from carpool.config import EngineConfig
+from carpool.harness import plots
+from carpool.harness.capacity import SLO, CapacityResult, Evaluation, SLOMonitor, parse_slo, search_capacity
+from carpool.harness.drivers import InProcessDriver, OnlineDriver, RunResult
+from carpool.harness.metrics import Summary, decode_iteration_median, summarize, tbts, write_report
+from carpool.harness.options import SchedulerSpec
+from carpool.harness.workload import PromptSource, RequestSpec, WorkloadConfig, build_workload, describe
 
 # Sizes of `carpool capacity --quick` and of the full search (see BENCHMARKS.md).
 QUICK = dict(duration=30.0, min_requests=16, max_evals=6, resolution=0.15)

@@ -342,7 +342,7 @@ def run_soak(args) -> SoakReport:
 
 
 def _plot(report: SoakReport, path: Path) -> None:
-    from carpool.bench.plots import _plt, _save
+    from carpool.harness.plots import _plt, _save
 
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))

@@ -4,8 +4,9 @@
 (tokens, rows, decode contexts, chunk attention), refreshed with every observed step. The
 SLO-following Sarathi policy asks it, while it builds a batch, how long the batch would take
 with one more prefill chunk. The engine feeds it measured step times and the simulator feeds it
-simulated ones, so the same class makes the same choices in both. It can be seeded with points
-from a profiled cost model (`seed`), and starts empty otherwise.
+simulated ones, so the same class makes the same choices in both. It starts empty, or seeded
+with the predictions of a `CostModel` (`seeded_step_cost`: the engine's --cost-profile table,
+cost_profile.py, or a simulated replica's model).
 
 Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a cost per
 decode row (sampling, inputs) and a larger one per prefill chunk (each chunk is its own attention
@@ -28,7 +29,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from carpool.core.scheduler import ScheduledBatch
@@ -65,7 +66,7 @@ class BatchShape:
 # Token counts where the per-token cost may bend (GPU tiles/waves); see the module docstring.
 HINGES = (64, 256, 1024)
 # Below this many tokens a step may run another path with its own fixed cost: on CPU the fused
-# layers (all layers in one C call) up to 31 tokens, compiled graphs from 32 (model/compiled.py
+# layers (all layers in one C call) up to 31 tokens, compiled graphs from 32 (model/paths.py
 # COMPILE_MIN_TOKENS); on a GPU, CUDA graphs end at a batch size likewise. A 24-token fused step
 # took 16 ms and a 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend.
 SMALL_STEP_TOKENS = 32
@@ -312,3 +313,39 @@ class ChunkSizes:
     def slow_sizes(self) -> list[int]:
         """Swept sizes that snap to a smaller one (for reports)."""
         return [n for n in self.sizes if self.snap(n) != n]
+
+
+# ---------------------------------------------------------------- starting from a cost model
+
+class CostModel(Protocol):
+    """Predicts an iteration's time from its shape, without running it: a profiled table
+    (cost_profile.py), the simulator's GPU and formula models (carpool/sim)."""
+
+    num_stages: int
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        """Seconds stage `stage` (of num_stages) is busy with this batch, incl. sending it on."""
+        ...
+
+
+def step_time(cost: CostModel, shape: BatchShape) -> float:
+    """A whole step through every pipeline stage (what one engine step measures without PP)."""
+    return sum(cost.stage_time(shape, s) for s in range(cost.num_stages))
+
+
+def chunk_sweep(cost: CostModel, max_tokens: int, step: int = 8) -> list[tuple[int, float]]:
+    """Step time of one prompt chunk alone, every `step` tokens up to `max_tokens`: the sweep
+    `ChunkSizes` snaps chunks by (tile-quantised GEMMs show as steps in it)."""
+    return [(n, step_time(cost, BatchShape(((n, 0),), (), 0))) for n in range(step, max_tokens + 1, step)]
+
+
+def seeded_step_cost(cost: CostModel, max_tokens: int, max_context: int, seed: bool = True,
+                     snap: bool = True) -> tuple[StepCostModel, ChunkSizes | None]:
+    """What an SLO-following sarathi starts from when a cost model is at hand (the engine's
+    --cost-profile, a simulated replica): the fit seeded with its predictions over
+    `seed_shapes`, and the chunk sizes its sweep says run fastest."""
+    fit = StepCostModel()
+    if seed:
+        fit.seed(lambda shape: step_time(cost, shape), seed_shapes(max_tokens, max_context))
+    sizes = ChunkSizes.from_sweep(chunk_sweep(cost, max_tokens)) if snap and max_tokens >= 16 else None
+    return fit, sizes

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from carpool.bench.metrics import RequestTimeline, Summary
+from carpool.harness.metrics import RequestTimeline, Summary
 
 SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}
 DEFAULT_SCHEDULING_DELAY = 2.0

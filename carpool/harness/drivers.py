@@ -1,7 +1,7 @@
 """Replay a workload and record timelines: in process (engine.step, no HTTP) or over HTTP.
 
 Both drivers return the same `RunResult` (plain `RequestTimeline`s and `IterationRecord`s on the
-`time.monotonic` clock), so `carpool.bench.metrics` never knows which one ran. Every request asks
+`time.monotonic` clock), so `carpool.harness.metrics` never knows which one ran. Every request asks
 for exactly its `output_len` tokens (greedy, `ignore_eos`).
 
 A driver may be given a `stop` callback, called about every `check_interval` seconds with the
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from carpool.bench.metrics import IterationRecord, RequestTimeline
-from carpool.bench.workload import RequestSpec, followup_prompt, split_conversations
+from carpool.harness.metrics import IterationRecord, RequestTimeline
+from carpool.harness.workload import RequestSpec, followup_prompt, split_conversations
 
 StopCheck = Callable[[list[RequestTimeline], float], "str | None"]
 

@@ -1,7 +1,8 @@
-"""Command-line options of the serving benchmarks (argparse only, so `carpool --help` stays light).
+"""Command-line options of the commands that replay a workload: `carpool bench serving` and its
+kin (carpool/bench), `carpool simulate` and `carpool fidelity` (carpool/sim). Argparse only, so
+`carpool --help` stays light.
 
-Bad values fail in argparse with the option named; the commands themselves live in
-`carpool.bench.serving`.
+Bad values fail in argparse with the option named.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from carpool.bench.workload import ARRIVAL_KINDS, LENGTH_KINDS
+from carpool.harness.workload import ARRIVAL_KINDS, LENGTH_KINDS
 
 
 def positive_float(text: str) -> float:

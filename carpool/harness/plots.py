@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.bench.metrics import RequestTimeline, tbts
+from carpool.harness.metrics import RequestTimeline, tbts
 
 
 def _plt():

@@ -1,18 +1,33 @@
 """Hand-made batches fed straight to an engine's model runner, bypassing the scheduler.
 
-Benchmarks use it to time exact batch shapes (C prefill tokens + D decodes at context L);
-tests use it to compare chunked against one-shot prefill.
+Benchmarks and the profiler use it to time exact batch shapes (C prefill tokens + D decodes at
+context L) with `median_time`; tests use it to compare chunked against one-shot prefill.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
 from carpool.core.scheduler import ScheduledBatch
 from carpool.request import Request
 from carpool.sampling_params import SamplingParams
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call (the median: a shared host's
+    stray slow run moves it least)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 class SyntheticBatches:
@@ -62,7 +77,7 @@ class SyntheticBatches:
                 plan = runner.plan(batch)
                 runner.clear_fresh_tails(plan)  # as `execute` does: SDPA reads whole blocks
                 ids, pos, meta = runner.tensors(plan)
-                logits = runner.model.compute_logits(runner.model(ids, pos, runner.kv_cache, meta))
+                logits = runner.model.compute_logits(runner.forward(ids, pos, meta))
         else:
             logits = runner.execute(batch)
         if advance:

@@ -1,4 +1,5 @@
-"""Benchmark workloads: request lengths, arrival times and prompt tokens, deterministic per seed.
+"""Workloads for benchmarks and the simulator: request lengths, arrival times and prompt tokens,
+deterministic per seed.
 
 A workload is a list of `RequestSpec`s (arrival offset in seconds, prompt token ids, output
 length). Drivers replay it; nothing here knows about engines or HTTP.

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.bench.drivers import InProcessDriver
-from carpool.bench.metrics import summarize
-from carpool.bench.options import SchedulerSpec
-from carpool.bench.workload import PromptSource, build_workload
+from carpool.core.cost_profile import ProfiledCostModel
+from carpool.core.step_cost import BatchShape, StepCostModel, seeded_step_cost, step_time
 from carpool.engine import LLMEngine
-from carpool.core.step_cost import StepCostModel
-from carpool.sim.cost_model import BatchShape, FittedCostModel, ProfiledCostModel, seeded_step_cost, step_time
+from carpool.harness.drivers import InProcessDriver
+from carpool.harness.metrics import summarize
+from carpool.harness.options import SchedulerSpec
+from carpool.harness.workload import PromptSource, build_workload
+from carpool.sim.cost_model import FittedCostModel
 from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
 

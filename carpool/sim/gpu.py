@@ -20,8 +20,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.core.cost_profile import interp1
+from carpool.core.step_cost import BatchShape
 from carpool.data import PROFILES_DIR
-from carpool.sim.cost_model import BatchShape, interp1
 
 
 @dataclass(frozen=True)

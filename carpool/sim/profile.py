@@ -15,13 +15,12 @@ from contextlib import contextmanager
 
 import torch
 
-from carpool.bench.hybrid import median_time
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.core.cost_profile import Profile
 from carpool.engine import LLMEngine
+from carpool.harness.synthetic import SyntheticBatches, median_time
 from carpool.model.llama import Attention
 from carpool.model import attention as attention_module
 from carpool.sampling_params import SamplingParams
-from carpool.sim.cost_model import Profile
 
 # Grids are dense where the cost bends: decode attention grows faster than linearly once a
 # batch's gathered KV outgrows the caches (16 -> 32 rows at 512 tokens: 2.5x the time). Linear
@@ -143,7 +142,8 @@ def calibrate(engine: LLMEngine, prof: Profile, num_requests: int = 24) -> float
     import tempfile
     from pathlib import Path
 
-    from carpool.sim.cost_model import BatchShape, ProfiledCostModel
+    from carpool.core.cost_profile import ProfiledCostModel
+    from carpool.core.step_cost import BatchShape
 
     with tempfile.TemporaryDirectory() as tmp:
         prof.write(Path(tmp) / "p.csv")

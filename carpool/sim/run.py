@@ -2,7 +2,7 @@
 simulated deployment instead of the engine.
 
 The simulation's requests carry the same timestamps the engine records, so they go through
-`carpool.bench.metrics` exactly as a real run does. Iteration records are the micro-batches
+`carpool.harness.metrics` exactly as a real run does. Iteration records are the micro-batches
 (start at stage 0, end at the last stage).
 """
 
@@ -13,10 +13,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from carpool.bench.capacity import Evaluation, parse_slo, search_capacity
-from carpool.bench.metrics import IterationRecord, RequestTimeline, summarize, write_report
-from carpool.bench.workload import PromptSource, WorkloadConfig, build_workload, describe
-from carpool.sim.cost_model import BatchShape, CostModel, ProfiledCostModel
+from carpool.core.cost_profile import ProfiledCostModel
+from carpool.core.step_cost import BatchShape, CostModel
+from carpool.harness.capacity import Evaluation, parse_slo, search_capacity
+from carpool.harness.metrics import IterationRecord, RequestTimeline, summarize, write_report
+from carpool.harness.workload import PromptSource, WorkloadConfig, build_workload, describe
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 from carpool.sim.simulator import ReplicaConfig, SimResult, simulate
 
@@ -160,7 +161,7 @@ def run_simulate(args) -> dict:
                   f"(bracket {cap.lower}..{cap.upper})")
         report["schedulers"][spec.label] = entry
     if not args.no_plots:
-        from carpool.bench import plots
+        from carpool.harness import plots
 
         plots.tbt_cdf(runs, out / "tbt_cdf.png", slo=5 * ref, title=f"Simulated TBT CDF (strict SLO = {5 * ref * 1e3:.0f} ms)")
         plots.token_timeline(runs, out / "token_timeline.png", stall_threshold=5 * ref)
@@ -177,7 +178,7 @@ def run_simulate(args) -> dict:
 def add_simulate_args(p) -> None:
     import argparse
 
-    from carpool.bench.options import add_workload_args, positive_float, positive_int, scheduler_list
+    from carpool.harness.options import add_workload_args, positive_float, positive_int, scheduler_list
 
     g = p.add_argument_group("deployment")
     g.add_argument("--cost-model", choices=("profile", "gpu"), default="profile",

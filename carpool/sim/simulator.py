@@ -23,9 +23,9 @@ from typing import Any
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
+from carpool.core.step_cost import BatchShape, CostModel, seeded_step_cost
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
-from carpool.sim.cost_model import BatchShape, CostModel, seeded_step_cost
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
              num_replicas: int = 1, max_events: int = 50_000_000) -> SimResult:
     """Replay `workload` on `num_replicas` replicas; requests go to the replica with the fewest
     outstanding requests (ties: lowest index). Items with a `parent` (a workload index, see
-    `carpool.bench.workload.RequestSpec`) are follow-up turns: they arrive `arrival_time` after
+    `carpool.harness.workload.RequestSpec`) are follow-up turns: they arrive `arrival_time` after
     that request finished, its prompt and output in front of their own tokens."""
     for i, w in enumerate(workload):
         if w.prompt_len < 1 or w.output_len < 1:

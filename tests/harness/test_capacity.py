@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.bench.capacity import SLO, Evaluation, SLOMonitor, parse_slo, search_capacity
-from carpool.bench.metrics import RequestTimeline, summarize
+from carpool.harness.capacity import SLO, Evaluation, SLOMonitor, parse_slo, search_capacity
+from carpool.harness.metrics import RequestTimeline, summarize
 
 
 def threshold_eval(capacity: float, calls: list | None = None):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from carpool import LLMEngine
-from carpool.bench.drivers import InProcessDriver, OnlineDriver, count_tokens
-from carpool.bench.metrics import summarize
-from carpool.bench.workload import PromptSource, RequestSpec, WorkloadConfig, build_workload
+from carpool.harness.drivers import InProcessDriver, OnlineDriver, count_tokens
+from carpool.harness.metrics import summarize
+from carpool.harness.workload import PromptSource, RequestSpec, WorkloadConfig, build_workload
 
 ENGINE_KWARGS = dict(dtype="float32", num_threads=2, kv_cache_memory=64 << 20, seed=0)
 

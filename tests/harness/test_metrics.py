@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from carpool.bench.metrics import (Distribution, IterationRecord, RequestTimeline, decode_iteration_median,
+from carpool.harness.metrics import (Distribution, IterationRecord, RequestTimeline, decode_iteration_median,
                                    load_timelines, summarize, tbts, write_report)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from carpool.bench import plots
-from carpool.bench.metrics import RequestTimeline
+from carpool.harness import plots
+from carpool.harness.metrics import RequestTimeline
 
 
 def runs():

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from carpool.bench.workload import (PromptSource, WorkloadConfig, WorkloadError, build_workload, describe,
+from carpool.harness.workload import (PromptSource, WorkloadConfig, WorkloadError, build_workload, describe,
                                     load_trace, resolve_trace)
 
 WORDS = PromptSource(word_ids=list(range(1000, 1100)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 
 PROMPT = ("In the middle of the night, the old lighthouse keeper climbed the stairs once more, "
           "counting every step as he had done for forty years, and wondering whether the ships "

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
 from carpool.model import compiled as compiled_module
 from carpool.model.compiled import COMPILE_MIN_TOKENS, CompiledAbove

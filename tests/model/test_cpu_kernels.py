@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
 from carpool.model.llama import apply_rope

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
 from carpool.model.compiled import COMPILE_MIN_TOKENS

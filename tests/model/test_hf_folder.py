@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from carpool.engine import LLMEngine
 from carpool.model.loader import load_model
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from tests.helpers import run_greedy
 
 VOCAB = 49152  # the embedded model's tokenizer is saved beside the weights

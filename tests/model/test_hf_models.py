@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from carpool.config import ModelConfig
 from carpool.engine import LLMEngine
 from carpool.llm import LLM

@@ -7,7 +7,7 @@ import torch
 
 from carpool.engine import LLMEngine
 from tests.conftest import PROMPTS
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from tests.helpers import run_greedy
 
 NEW_TOKENS = 32

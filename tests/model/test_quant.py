@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from carpool import config
-from carpool.bench.synthetic import SyntheticBatches
+from carpool.harness.synthetic import SyntheticBatches
 from carpool.config import resolve_dtype
 from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels

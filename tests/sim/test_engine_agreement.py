@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.bench.workload import RequestSpec
+from carpool.harness.workload import RequestSpec
 from carpool.sampling_params import SamplingParams
 from carpool.sim.cost_model import FormulaCostModel
 from carpool.sim.simulator import ReplicaConfig, simulate

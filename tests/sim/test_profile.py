@@ -9,7 +9,8 @@ import math
 import pytest
 
 from carpool.cli import main
-from carpool.sim.cost_model import BatchShape, ProfiledCostModel
+from carpool.core.cost_profile import ProfiledCostModel
+from carpool.core.step_cost import BatchShape
 from carpool.sim.profile import profile_grid
 from tests.model.test_hf_folder import write_checkpoint
 

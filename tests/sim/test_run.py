@@ -7,14 +7,15 @@ import json
 import pytest
 
 from carpool.cli import main
+from carpool.data import PROFILES_DIR
 from carpool.sim.cost_model import FormulaCostModel
 from carpool.sim.run import chrome_trace, iterations, timelines
 from carpool.sim.simulator import ReplicaConfig, SimRequest, simulate
-from tests.sim.test_cost_model import PROFILES, write_profile
+from tests.core.test_cost_profile import write_profile
 
 
 def test_adapters_feed_the_metrics_pipeline():
-    from carpool.bench.metrics import summarize
+    from carpool.harness.metrics import summarize
 
     res = simulate([SimRequest(0.0, 10, 3), SimRequest(0.01, 5, 2)], ReplicaConfig(),
                    FormulaCostModel(fixed=0.01, per_token=0.001, num_stages=2))
@@ -30,7 +31,7 @@ def test_adapters_feed_the_metrics_pipeline():
 def test_simulate_gpu_cli(tmp_path, capsys):
     out = tmp_path / "sim"
     rc = main(["simulate", "--cost-model", "gpu", "--gpu", "a100", "--model-shape", "llama-2-70b", "--tp", "4",
-               "--pp", "2", "--gpus-per-node", "4", "--profiles-dir", str(PROFILES), "--schedulers", "sarathi,orca",
+               "--pp", "2", "--gpus-per-node", "4", "--profiles-dir", str(PROFILES_DIR), "--schedulers", "sarathi,orca",
                "--lengths", "uniform", "--prompt-range", "64,1024", "--output-range", "8,64", "--num-requests", "60",
                "--qps", "2", "--output", str(out)])
     assert rc == 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.sim.cost_model import BatchShape, FormulaCostModel
+from carpool.core.step_cost import BatchShape
+from carpool.sim.cost_model import FormulaCostModel
 from carpool.sim.simulator import ReplicaConfig, SimRequest, simulate
 
 # t(iteration) = 0.010 + 0.001 * tokens
@@ -141,7 +142,7 @@ def test_batch_shape_of_scheduled_batch():
 
 # ------------------------------------------------------------------ prefix caching
 def sim_workload(**kw):
-    from carpool.bench.workload import WorkloadConfig, build_workload
+    from carpool.harness.workload import WorkloadConfig, build_workload
     from carpool.sim.run import SIM_PROMPTS
 
     base = dict(num_requests=12, lengths="uniform", min_prompt_len=40, max_prompt_len=200, min_output_len=4,

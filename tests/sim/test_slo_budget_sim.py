@@ -8,10 +8,10 @@ import pytest
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import make_scheduler
-from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel
+from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel, chunk_sweep, seeded_step_cost, step_time
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
-from carpool.sim.cost_model import FittedCostModel, FormulaCostModel, chunk_sweep, seeded_step_cost, step_time
+from carpool.sim.cost_model import FittedCostModel, FormulaCostModel
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 from carpool.sim.simulator import ReplicaConfig, SimRequest, simulate
 
