@@ -88,30 +88,70 @@ def load_tokenizer(model_path: str, gguf_reader=None):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-class IncrementalDetokenizer:
-    """Emits text as tokens arrive, holding back bytes of a UTF-8 character not yet complete.
+PROMPT_CONTEXT = 6  # prompt tokens decoded ahead of the output, so its first token decodes as in-stream
 
-    Decodes a short window of recent tokens and emits only what extends past the text the window
-    had already produced, so merges across token boundaries (spaces, multi-byte characters) come
-    out right without re-decoding the whole output each step."""
+
+def rust_tokenizer(tokenizer):
+    """The `tokenizers.Tokenizer` that a transformers fast tokenizer wraps (or the tokenizer itself);
+    None for a tokenizer without one (a slow, pure-Python transformers tokenizer)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, holding back bytes of a UTF-8 character not yet complete
+    (`add` returns "" until the character is whole).
+
+    With a Rust tokenizer, `tokenizers.decoders.DecodeStream` does the work: it decodes a window
+    of recent tokens and emits what extends past the text the window had already produced, so
+    merges across token boundaries (spaces, multi-byte characters) come out right without
+    re-decoding the whole output. Special tokens are dropped with `skip_special_tokens`, else
+    written as their text with nothing between them (as `tokenizer.decode` of a fast tokenizer
+    writes them); transformers' `clean_up_tokenization_spaces` is not applied (as in vLLM).
+    Tokenizers without a Rust backend, and a stream whose decoder rewrites text it already
+    emitted (the library's "invalid prefix" error), fall back to the same window in Python."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
-        self.ids = list(prompt_ids[-6:])  # context so the first output token decodes as in-stream
-        self.prefix_offset = 0
+        self.backend = rust_tokenizer(tokenizer)
+        # The prompt's last tokens, less any that end inside a character: the stream would take
+        # an unfinished prompt for output not yet emitted, and emit the prompt's text with it.
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        while self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids.pop()
+        self.prefix_offset = 0  # the window: ids[prefix_offset:read_offset] decoded already
         self.read_offset = len(self.ids)
-        self.text = ""
+        self.stream = None if self.backend is None else DecodeStream(self.ids, skip_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return (self.backend or self.tokenizer).decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
-        full = decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        new = None
+        if self.stream is not None:
+            try:
+                new = self.stream.step(self.backend, token_id)
+            except Exception:  # the window's text changed before its end: decode it here from now on
+                self.stream = None
+        if self.stream is None:
+            new = self._step_in_python()
+        if not new:
             return ""  # an incomplete character (or nothing visible) so far
-        new = full[len(prefix):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += new
         return new
+
+    def _step_in_python(self) -> str | None:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        return full[len(prefix):]
