@@ -161,9 +161,10 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per iteration"})
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    block_size: int = 16
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt plus output in tokens (default: the model's context, capped by the KV cache)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: int | None = field(default=None, metadata={  # None: see default_kv_cache_memory
         "help": "bytes for the KV cache, e.g. 2GiB (default: min(4GiB, free RAM/4) on CPU)", "type": parse_memory})
     scheduler: str = field(default="sarathi", metadata={
@@ -181,7 +182,7 @@ class EngineConfig:
         "help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads (per worker process with TP/PP; default: cores / processes)"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
     # model/quant.py; "auto" is resolved by loader.resolve_quantization.
     quantization: str = field(default="auto", metadata={
         "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
