@@ -91,3 +91,24 @@ def test_profile_grid_must_be_full(tmp_path):
     path.write_text(path.read_text() + "decode_attn,64,16,0.5\n")
     with pytest.raises(ValueError, match="full grid"):
         ProfiledCostModel.load(path)
+
+
+def test_the_engine_seeds_its_step_time_fit_from_a_profile(tmp_path):
+    """--cost-profile: the SLO policy's fit starts from the table's predictions, not empty."""
+    from types import SimpleNamespace
+
+    from carpool.core.step_cost import ChunkSizes, StepCostModel, step_time
+    from carpool.engine import LLMEngine
+
+    path = tmp_path / "p.csv"
+    write_profile(path)
+    config = SimpleNamespace(target_tbt_ms=100.0, cost_profile=str(path), max_num_batched_tokens=512)
+    engine = SimpleNamespace(max_model_len=2048)  # all _step_cost_args reads of the engine
+    args = LLMEngine._step_cost_args(engine, config)
+    assert args["target_tbt"] == pytest.approx(0.1)
+    fit, sizes = args["cost"], args["chunk_sizes"]
+    assert isinstance(fit, StepCostModel) and fit.ready and isinstance(sizes, ChunkSizes)
+    probe = BatchShape(prefills=((128, 512),), decode_contexts=(512,) * 8, num_sampled=8)
+    assert fit.predict(probe) == pytest.approx(step_time(ProfiledCostModel.load(path), probe), rel=0.2)
+    unseeded = LLMEngine._step_cost_args(engine, SimpleNamespace(**{**vars(config), "cost_profile": None}))
+    assert unseeded["cost"].num_observations == 0 and unseeded["chunk_sizes"] is None
