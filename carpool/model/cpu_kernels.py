@@ -1,4 +1,5 @@
-"""C kernels for the CPU, compiled on first use and loaded with ctypes.
+"""C kernels for the CPU: compiled on first use, called through ctypes, and registered as torch
+ops that compiled graphs can hold.
 
 No torch headers: a C file and the system's C compiler build in about a second, where a torch
 C++ extension takes a minute. The library is cached per source, flags and CPU model
@@ -6,6 +7,19 @@ C++ extension takes a minute. The library is cached per source, flags and CPU mo
 machine may not run on another. It links OpenMP by soname, so inside this process it binds to
 the libgomp torch already loaded and shares torch's threads. Without a compiler, or with
 CARPOOL_NO_KERNELS=1, callers fall back to torch ops.
+
+Each entry point's signature is declared once, in KERNELS. ctypes' argument and return types
+are made from it, and loading the library checks it against the prototypes in csrc/kernels.h
+(which the C compiler checks the definitions against) and against the library's symbols: a
+signature out of step is an error at load, not a call that corrupts memory. The wrappers below
+check their tensors' devices, dtypes, shapes and layouts before handing pointers to C, and raise
+ValueError where the kernel would read or write out of bounds. (The values inside index tensors,
+block tables and slots, are the caller's to keep in range: checking them would read them.)
+
+The kernels of the model's forward are also `carpool::` torch ops (`torch.library.custom_op`,
+each with a fake implementation that gives its outputs' shapes), which torch.compile traces
+into its graphs. Eager calls skip the op and call ctypes directly: they run per layer per step,
+and the op's dispatch costs more than a small kernel (measured at OPS).
 """
 
 from __future__ import annotations
@@ -16,10 +30,13 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -28,15 +45,124 @@ log = logging.getLogger("carpool")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))  # in the cache key; found with -I, not compiled
+HEADER = CSRC / "kernels.h"  # every entry point's prototype
 # -ffast-math lets gcc vectorise expf and reassociate the dot products. It is given when
 # compiling only: linked with it, gcc would add crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch included).
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]  # libm brings libmvec, the vectorised expf
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_BF16, _F32 = torch.bfloat16, torch.float32
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# ---------------------------------------------------------------- the signature table
 
+# Every entry point of the library: name -> (return kind, its arguments as "kind name", in order).
+# Kinds: ptr (any pointer), i64 (int64_t), int, f32 (float), void. ctypes calls with the types
+# made from this table; load() checks it against csrc/kernels.h, names included.
+KERNELS: dict[str, tuple[str, str]] = {
+    "quant_gemv_supported": ("int", ""),
+    "quant_amx_supported": ("int", ""),
+    "quantized_matmul": ("int", "ptr codes, ptr scale, ptr min, ptr x, ptr out, i64 tokens, i64 k, i64 n, "
+                                "int is_bf16, int num_threads"),
+    "quantized_matmul_using": ("int", "ptr codes, ptr scale, ptr min, ptr x, ptr out, i64 tokens, i64 k, i64 n, "
+                                      "int is_bf16, int num_threads, i64 amx_from"),
+    "paged_attention_runs": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
+                                    "ptr block_tables, i64 table_width, ptr context_lens, ptr query_starts, "
+                                    "i64 num_runs, i64 num_heads, i64 num_kv_heads, i64 head_dim, i64 block_size, "
+                                    "f32 scale, int is_bf16, int num_threads, "
+                                    "ptr k_new, i64 k_stride, ptr v_new, i64 v_stride, ptr slots"),
+    "paged_decode_attention": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
+                                      "ptr block_tables, i64 table_width, ptr context_lens, i64 num_seqs, "
+                                      "i64 num_heads, i64 num_kv_heads, i64 head_dim, i64 block_size, "
+                                      "f32 scale, int is_bf16, int num_threads, "
+                                      "ptr k_new, i64 k_stride, ptr v_new, i64 v_stride, ptr slots"),
+    "rms_norm_bf16": ("void", "ptr x, ptr delta, ptr x_out, ptr out, ptr weight, i64 rows, i64 dim, f32 eps"),
+    "rope_bf16": ("void", "ptr qk, i64 rows, i64 row_stride, i64 heads, i64 dim, ptr cos, ptr sin"),
+    "silu_mul_bf16": ("void", "ptr gate_up, ptr out, i64 rows, i64 inter"),
+    "fused_layers": ("int", "ptr layers, i64 num_layers, ptr shape, ptr x, ptr out, ptr final_norm, i64 tokens, "
+                            "ptr cos, ptr sin, ptr kv_cache, i64 cache_slots, ptr block_tables, i64 table_width, "
+                            "ptr context_lens, ptr query_starts, i64 num_runs, ptr slots, int num_threads"),
+}
+# Called without the GIL: a whole small step's layers (milliseconds, once a step), while the
+# HTTP thread streams the last step's tokens. Every other kernel keeps it: they last
+# microseconds, and a thread that gives up the GIL 120 times a step waits to get it back
+# whenever the HTTP thread holds it.
+RELEASES_GIL = frozenset({"fused_layers"})
+CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "int": ctypes.c_int, "f32": ctypes.c_float, "void": None}
+_C_KINDS = {"int64_t": "i64", "int": "int", "float": "f32", "void": "void"}
+
+
+class KernelSignatureError(TypeError):
+    """The signature table, csrc/kernels.h and the library disagree: a call could corrupt memory."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    returns: str
+    args: tuple[tuple[str, str], ...]  # (kind, name) each
+
+    @classmethod
+    def parse(cls, name: str, returns: str, args: str) -> Signature:
+        """An entry of KERNELS."""
+        parsed = tuple(tuple(arg.split()) for arg in args.split(",") if arg.strip())
+        for kind in (returns, *(a[0] for a in parsed)):
+            if kind not in CTYPES:
+                raise KernelSignatureError(f"{name}: unknown kind {kind!r} (kinds: {', '.join(CTYPES)})")
+        if any(len(a) != 2 for a in parsed):
+            raise KernelSignatureError(f"{name}: arguments are 'kind name', comma-separated: {args!r}")
+        return cls(returns, parsed)
+
+    def __str__(self) -> str:
+        return f"{self.returns} ({', '.join(' '.join(a) for a in self.args)})"
+
+
+def _c_kind(c_type: str, where: str) -> str:
+    if "*" in c_type:
+        return "ptr"
+    kind = _C_KINDS.get(" ".join(w for w in c_type.split() if w not in ("const", "extern")))
+    if kind is None:
+        raise KernelSignatureError(f"{where}: no kind for the C type {c_type.strip()!r}")
+    return kind
+
+
+def header_prototypes(text: str) -> dict[str, Signature]:
+    """The exported (non-static) function prototypes of a C header, as Signatures. Comments,
+    preprocessor lines, and the bodies of its static inline functions and structs are skipped."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.S)
+    text = re.sub(r"^[ \t]*#[^\n]*", "", text, flags=re.M)
+    n = 1
+    while n:  # innermost braces first; each body ends its statement
+        text, n = re.subn(r"\{[^{}]*\}", ";", text)
+    found = {}
+    for statement in text.split(";"):
+        m = re.fullmatch(r"\s*([\w\s*]+?)\s*\b(\w+)\s*\(([^()]*)\)\s*", statement)
+        if m is None or m[1].split()[0] in ("static", "typedef"):
+            continue
+        name, params = m[2], [p.strip() for p in m[3].split(",")]
+        args = []
+        for param in ([] if params in ([""], ["void"]) else params):
+            arg = re.fullmatch(r"(.*?[\s*])(\w+)", param)
+            if arg is None:
+                raise KernelSignatureError(f"kernels.h, {name}: name every parameter ({param!r})")
+            args.append((_c_kind(arg[1], f"kernels.h, {name}"), arg[2]))
+        found[name] = Signature(_c_kind(m[1], f"kernels.h, {name}"), tuple(args))
+    return found
+
+
+def check_signatures(kernels: dict[str, tuple[str, str]], header: str) -> dict[str, Signature]:
+    """`kernels` (a table like KERNELS) as Signatures, each equal to its prototype in `header`
+    (the text of kernels.h), and one for every prototype there; else KernelSignatureError."""
+    declared = {name: Signature.parse(name, *spec) for name, spec in kernels.items()}
+    prototypes = header_prototypes(header)
+    wrong = [f"{name}: {declared.get(name, 'not in the table')} in the table, "
+             f"{prototypes.get(name, 'no prototype')} in kernels.h"
+             for name in sorted(declared.keys() | prototypes.keys()) if declared.get(name) != prototypes.get(name)]
+    if wrong:
+        raise KernelSignatureError("the kernel table and csrc/kernels.h disagree:\n  " + "\n  ".join(wrong))
+    return declared
+
+
+# ---------------------------------------------------------------- building and loading
 
 def _cpu_model() -> str:
     """The CPU's name and instruction-set flags (names alone can be generic: "Intel(R) Xeon(R)
@@ -80,96 +206,37 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     return target
 
 
+def load(path: Path, kernels: dict[str, tuple[str, str]] = KERNELS, header: Path = HEADER) -> ctypes.PyDLL:
+    """The library at `path`, each kernel of `kernels` an attribute typed for ctypes from its
+    entry. KernelSignatureError where the table disagrees with `header` or the library lacks one."""
+    signatures = check_signatures(kernels, header.read_text())
+    # PyDLL, not CDLL: calls keep the GIL, except those in RELEASES_GIL.
+    lib, unlocked = ctypes.PyDLL(str(path)), ctypes.CDLL(str(path))
+    missing = [name for name in signatures if not hasattr(lib, name)]
+    if missing:
+        raise KernelSignatureError(f"{path.name} exports no {', '.join(missing)}")
+    for name, sig in signatures.items():
+        fn = getattr(unlocked if name in RELEASES_GIL else lib, name)
+        fn.restype, fn.argtypes = CTYPES[sig.returns], [CTYPES[kind] for kind, _ in sig.args]
+        setattr(lib, name, fn)
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.PyDLL | None:
-    """The compiled kernels, or None (logged once) when they cannot be built here."""
+    """The compiled kernels, or None (logged once) when they cannot be built here. A table out of
+    step with the C code raises instead: that is a bug to fix, not a machine to fall back on."""
     if os.environ.get("CARPOOL_NO_KERNELS") == "1":
         return None
     try:
-        # PyDLL, not CDLL: calls keep the GIL. They last microseconds, and a thread that gives
-        # up the GIL 120 times a step waits to get it back whenever the HTTP thread holds it.
-        path = str(build())
-        lib = ctypes.PyDLL(path)
-        # ...except a whole small step's layers (milliseconds, once a step): that call lets the
-        # GIL go, so the HTTP thread streams the last step's tokens while this one computes.
-        lib.fused_layers = ctypes.CDLL(path).fused_layers
+        return load(build())
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
         return None
-    signatures = {
-        "paged_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                   _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
-        "rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
-        "rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
-        "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
-        "quantized_matmul": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
-        "quantized_matmul_using": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _i64],
-        "quant_gemv_supported": [],
-        "quant_amx_supported": [],
-        "paged_attention_runs": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                                 _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr],
-        "fused_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                         _ptr, ctypes.c_int],
-    }
-    returns = {name: ctypes.c_int for name in ("quantized_matmul", "quantized_matmul_using", "quant_gemv_supported",
-                                               "quant_amx_supported", "fused_layers", "paged_decode_attention",
-                                               "paged_attention_runs")}
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = returns.get(name), argtypes
-    return lib
 
 
 def has_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in SUPPORTED_DTYPES and library() is not None
-
-
-def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, block_size: int,
-                           out: torch.Tensor | None = None, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                           | None = None) -> torch.Tensor:
-    """Decodes over their cached contexts, read from the blocks in place. q: [B, heads, D] (rows
-    may be strided, heads and D dense); cache: [2, slots, kv_heads, D]; block_tables: [B, n]
-    int64; context_lens: [B] int64 -> out [B, heads, D]. new_kv: (k, v, slots): the decodes'
-    new [B, kv_heads, D] rows (strided alike), which the kernel writes to the cache first."""
-    num_seqs, num_heads, dim = q.shape
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    assert q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
-    assert cache[0].is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64
-    assert block_tables.is_contiguous() and context_lens.is_contiguous() and q.dtype == cache.dtype
-    new = (None, 0, None, 0, None)
-    if new_kv is not None:
-        k, v, slots = new_kv
-        assert k.shape == v.shape and k.dtype == v.dtype == q.dtype and len(slots) == len(k) == num_seqs
-        assert k.stride(1) == v.stride(1) == dim and k.stride(2) == v.stride(2) == 1
-        assert slots.dtype == torch.int64 and slots.is_contiguous()
-        new = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
-    if not library().paged_decode_attention(
-        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
-        cache.shape[2], dim, block_size, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), *new):
-        raise MemoryError("decode attention: no memory for the attention scores")
-    return out
-
-
-def paged_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
-                         slots: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
-    """Runs of queries (attention.QueryRuns) over their cached contexts, causally; the tokens'
-    k, v [T, kv_heads, D] are written to `slots` first. q: [T, heads, D] -> out [T, heads, D]."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    assert q.dtype == k.dtype == v.dtype == cache.dtype and cache[0].is_contiguous()
-    for t in (block_tables, context_lens, query_starts, slots):
-        assert t.dtype == torch.int64 and t.is_contiguous()
-    out = torch.empty_like(q)
-    if not library().paged_attention_runs(
-        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
-        len(context_lens), q.shape[1], cache.shape[2], q.shape[2], block_size, scale, int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr()):
-        raise MemoryError("paged attention: no memory for the attention scores")
-    return out
 
 
 def fuses(x: torch.Tensor) -> bool:
@@ -177,41 +244,6 @@ def fuses(x: torch.Tensor) -> bool:
     the same steps in compiled graphs), and the library built. fp32 keeps torch's ops."""
     return (x.dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling()
             and library() is not None)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x's rows; with `delta`, (x + delta, RMSNorm(x + delta)): the residual add fused."""
-    x = x.contiguous()  # held in locals: a pointer into a temporary would dangle
-    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
-    out = torch.empty_like(x)
-    if delta is not None:
-        delta = delta.contiguous()
-        assert delta.shape == x.shape and delta.dtype == x.dtype
-    x_out = None if delta is None else torch.empty_like(x)
-    library().rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(),
-                            None if x_out is None else x_out.data_ptr(), out.data_ptr(), weight.data_ptr(),
-                            x.numel() // x.shape[-1], x.shape[-1], eps)
-    return out if delta is None else (x_out, out)
-
-
-def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in place on qk [T, heads, D] (rows may be strided, heads dense); cos, sin: [T, 1, D]."""
-    rows, heads, dim = qk.shape
-    assert qk.stride(2) == 1 and qk.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
-    assert qk.dtype == cos.dtype == sin.dtype == torch.bfloat16
-    library().rope_bf16(qk.data_ptr(), rows, qk.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr())
-    return qk
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [gate | up]."""
-    gate_up = gate_up.contiguous()
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty((rows, inter))
-    library().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter)
-    return out
-
 
 
 def has_amx() -> bool:
@@ -226,16 +258,175 @@ def has_quantized_matmul() -> bool:
     return lib is not None and bool(lib.quant_gemv_supported())
 
 
+# ---------------------------------------------------------------- the wrappers
+# Each checks, in one expression on the happy path, what the C code assumes of its tensors;
+# under torch.compile each calls its op instead (the op's implementation calls it eagerly).
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type} strides {list(t.stride())}"
+
+
+def _reject(kernel: str, wants: str, **tensors: object) -> NoReturn:
+    got = ", ".join(f"{name} {_describe(t)}" for name, t in tensors.items())
+    raise ValueError(f"{kernel} takes {wants}; got {got}")
+
+
+def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, block_size: int,
+                           out: torch.Tensor | None = None, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                           | None = None) -> torch.Tensor:
+    """Decodes over their cached contexts, read from the blocks in place. q: [B, heads, D] (rows
+    may be strided, heads and D dense); cache: [2, slots, kv_heads, D]; block_tables: [B, n]
+    int64; context_lens: [B] int64 -> out [B, heads, D]. new_kv: (k, v, slots): the decodes'
+    new [B, kv_heads, D] rows (strided alike), which the kernel writes to the cache first."""
+    if torch.compiler.is_compiling():
+        k, v, slots = (None, None, None) if new_kv is None else new_kv
+        o = torch.ops.carpool.paged_decode_attention(q, cache, block_tables, context_lens, scale, block_size,
+                                                     k, v, slots)
+        return o if out is None else out.copy_(o)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs, num_heads, dim = q.shape
+    shape = cache.shape
+    # The cache's halves by arithmetic, not as views (cache[0] costs ~1.5 us).
+    if not (q.is_cpu and q.dtype in SUPPORTED_DTYPES and q.stride()[1:] == (dim, 1)
+            and cache.is_cpu and cache.dtype is q.dtype and len(shape) == 4 and shape[0] == 2 and shape[3] == dim
+            and num_heads % shape[2] == 0 and cache.stride()[1:] == (shape[2] * dim, dim, 1)
+            and out.is_cpu and out.dtype is q.dtype and out.shape == q.shape and out.stride()[1:] == (dim, 1)
+            and block_tables.is_cpu and block_tables.dtype is torch.int64 and block_tables.dim() == 2
+            and len(block_tables) == num_seqs and block_tables.is_contiguous()
+            and context_lens.is_cpu and context_lens.dtype is torch.int64 and context_lens.shape == (num_seqs,)
+            and context_lens.is_contiguous()):
+        _reject("paged_decode_attention", "on the CPU, q [B, heads, D] fp32 or bf16 with dense heads, cache "
+                "[2, slots, kv_heads, D] with kv_heads dividing heads and each half contiguous, out like q, "
+                "contiguous int64 block_tables [B, n] and context_lens [B]", q=q, cache=cache, out=out,
+                block_tables=block_tables, context_lens=context_lens)
+    new = (None, 0, None, 0, None)
+    if new_kv is not None:
+        k, v, slots = new_kv
+        if not (k.is_cpu and v.is_cpu and k.shape == v.shape == (num_seqs, shape[2], dim)
+                and k.dtype is v.dtype is q.dtype and k.stride()[1:] == v.stride()[1:] == (dim, 1)
+                and slots.is_cpu and slots.dtype is torch.int64 and slots.shape == (num_seqs,)
+                and slots.is_contiguous()):
+            _reject("paged_decode_attention", "new_kv: k and v [B, kv_heads, D] as q with dense heads, "
+                    "contiguous int64 slots [B]", q=q, k=k, v=v, slots=slots)
+        new = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
+    k_cache = cache.data_ptr()
+    if not library().paged_decode_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache, k_cache + cache.stride(0) * q.element_size(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads,
+        shape[2], dim, block_size, scale, q.dtype is _BF16, torch.get_num_threads(), *new):
+        raise MemoryError("decode attention: no memory for the attention scores")
+    return out
+
+
+def paged_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
+                         slots: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """Runs of queries (attention.QueryRuns) over their cached contexts, causally; the tokens'
+    k, v [T, kv_heads, D] are written to `slots` first. q: [T, heads, D] -> out [T, heads, D]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.carpool.paged_attention_runs(q, k, v, cache, block_tables, context_lens, query_starts,
+                                                      slots, scale, block_size)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    tokens, num_heads, dim = q.shape
+    runs, shape = len(context_lens), cache.shape
+    if not (q.is_cpu and q.dtype in SUPPORTED_DTYPES and cache.is_cpu and cache.dtype is q.dtype
+            and len(shape) == 4 and shape[0] == 2 and shape[3] == dim and num_heads % shape[2] == 0
+            and cache.stride()[1:] == (shape[2] * dim, dim, 1) and k.is_cpu and v.is_cpu
+            and k.dtype is v.dtype is q.dtype and k.shape == v.shape == (tokens, shape[2], dim)
+            and all(t.is_cpu and t.dtype is torch.int64 and t.is_contiguous()
+                    for t in (block_tables, context_lens, query_starts, slots))
+            and block_tables.dim() == 2 and len(block_tables) == runs and context_lens.shape == (runs,)
+            and query_starts.shape == (runs + 1,) and slots.shape == (tokens,)):
+        _reject("paged_attention_runs", "on the CPU, q [T, heads, D] fp32 or bf16, k and v [T, kv_heads, D] "
+                "as q, cache [2, slots, kv_heads, D] with kv_heads dividing heads and each half contiguous, "
+                "contiguous int64 block_tables [runs, n], context_lens [runs], query_starts [runs + 1] and "
+                "slots [T]", q=q, k=k, v=v, cache=cache, block_tables=block_tables, context_lens=context_lens,
+                query_starts=query_starts, slots=slots)
+    out = torch.empty_like(q)
+    k_cache = cache.data_ptr()
+    if not library().paged_attention_runs(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache, k_cache + cache.stride(0) * q.element_size(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
+        runs, num_heads, shape[2], dim, block_size, scale, q.dtype is _BF16, torch.get_num_threads(),
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr()):
+        raise MemoryError("paged attention: no memory for the attention scores")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's rows; with `delta`, (x + delta, RMSNorm(x + delta)): the residual add fused."""
+    if torch.compiler.is_compiling():
+        if delta is None:
+            return torch.ops.carpool.rms_norm(x, weight, eps)
+        return tuple(torch.ops.carpool.add_rms_norm(x, delta, weight, eps))
+    x = x.contiguous()  # held in locals: a pointer into a temporary would dangle
+    if delta is not None:
+        delta = delta.contiguous()
+    dim = x.shape[-1]
+    if not (x.is_cpu and x.dtype is _BF16 and weight.is_cpu and weight.dtype is _BF16 and weight.is_contiguous()
+            and weight.numel() == dim
+            and (delta is None or (delta.is_cpu and delta.dtype is _BF16 and delta.shape == x.shape))):
+        _reject("rms_norm", "bf16 CPU tensors: x [..., dim], weight [dim] contiguous, delta as x",
+                x=x, weight=weight, delta=delta)
+    out = torch.empty_like(x)
+    x_out = None if delta is None else torch.empty_like(x)
+    library().rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                            None if x_out is None else x_out.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                            x.numel() // dim, dim, eps)
+    return out if delta is None else (x_out, out)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on qk [T, heads, D] (rows may be strided, heads dense); cos, sin: [T, 1, D]."""
+    if torch.compiler.is_compiling():
+        torch.ops.carpool.rope_(qk, cos, sin)
+        return qk
+    rows, heads, dim = qk.shape
+    if not (qk.is_cpu and qk.dtype is _BF16 and qk.stride()[1:] == (dim, 1)
+            and cos.is_cpu and cos.dtype is _BF16 and cos.is_contiguous() and cos.numel() == rows * dim
+            and sin.is_cpu and sin.dtype is _BF16 and sin.is_contiguous() and sin.numel() == rows * dim):
+        _reject("rope_", "bf16 CPU tensors: qk [T, heads, D] with dense heads, cos and sin [T, 1, D] contiguous",
+                qk=qk, cos=cos, sin=sin)
+    library().rope_bf16(qk.data_ptr(), rows, qk.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr())
+    return qk
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.carpool.silu_mul(gate_up)
+    gate_up = gate_up.contiguous()
+    if not (gate_up.is_cpu and gate_up.dtype is _BF16 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0):
+        _reject("silu_mul", "a bf16 CPU tensor [rows, 2 * inter]", gate_up=gate_up)
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    library().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    return out
+
+
 class QuantizedMatmul:
     """x @ W.T for a weight packed for the C kernels (int4 with `low`, its groups' minimums, else
-    int8; layouts:
-    csrc/quant_gemv.c, written by quant.pack_int4 / pack_int8). The weight's pointers are bound
-    once: a decode step makes ~120 of these calls, and each microsecond of Python is 0.1 ms."""
+    int8; layouts: csrc/quant_gemv.c, written by quant.pack_int4 / pack_int8). The weight's
+    pointers are bound once: a decode step makes ~120 of these calls, and each microsecond of
+    Python is 0.1 ms."""
 
     def __init__(self, n: int, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None = None):
-        assert codes.dtype == torch.uint8 and scale.dtype == torch.float16
-        assert codes.is_contiguous() and scale.is_contiguous()
-        assert low is None or (low.dtype == torch.float16 and low.is_contiguous())
+        blocks = -(-n // 16)
+        self.k = codes.shape[1] * (4 if low is None else 32) if codes.dim() > 1 else 0
+        groups = self.k // 32
+        if not (codes.is_cpu and codes.dtype is torch.uint8 and codes.is_contiguous() and scale.is_cpu
+                and scale.dtype is torch.float16 and scale.is_contiguous() and scale.shape == (blocks, groups, 16)
+                and codes.shape == ((blocks, self.k // 4, 16, 4) if low is None else (blocks, groups, 4, 16, 4))
+                and (low is None or (low.is_cpu and low.dtype is torch.float16 and low.is_contiguous()
+                                     and low.shape == scale.shape))):
+            _reject("QuantizedMatmul", f"contiguous CPU tensors packed for n={n} (quant.pack_int8: codes uint8 "
+                    "[n / 16, k / 4, 16, 4]; quant.pack_int4: codes uint8 [n / 16, k / 32, 4, 16, 4], low as "
+                    "scale), scale float16 [n / 16, k / 32, 16]", codes=codes, scale=scale, low=low)
         self.n, self.tensors = n, (codes, scale, low)  # the tensors keep the bound pointers valid
         pointers = (codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr())
         self._matmul = functools.partial(library().quantized_matmul, *pointers)
@@ -244,11 +435,103 @@ class QuantizedMatmul:
     def __call__(self, x: torch.Tensor, amx_from: int | None = None) -> torch.Tensor:
         """x: [tokens, k], fp32 or bf16. amx_from: run the AMX kernel from this many tokens up
         (0: never; None: the library's default), where the CPU has AMX; the outputs are the same."""
+        if torch.compiler.is_compiling():
+            return torch.ops.carpool.quantized_matmul(x, *self.tensors, self.n, amx_from)
         x = x.contiguous()
-        assert x.dtype is torch.bfloat16 or x.dtype is torch.float32
+        if not (x.is_cpu and (x.dtype is _BF16 or x.dtype is _F32) and x.dim() == 2 and x.shape[1] == self.k):
+            _reject("quantized_matmul", f"a CPU tensor [tokens, {self.k}], fp32 or bf16", x=x)
         out = x.new_empty((x.shape[0], self.n))
-        args = (x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.n, x.dtype is torch.bfloat16,
+        args = (x.data_ptr(), out.data_ptr(), x.shape[0], self.k, self.n, x.dtype is _BF16,
                 torch.get_num_threads())
         if not (self._matmul(*args) if amx_from is None else self._matmul_using(*args, amx_from)):
             raise MemoryError("quantized matmul: no memory for the quantized activations")
         return out
+
+
+# ---------------------------------------------------------------- the torch ops
+# `torch.ops.carpool.*`, for graphs: each calls its wrapper above (eagerly, with real tensors),
+# and its fake implementation gives the output's shape, dtype and strides for tracing. Eager
+# calls do not take them: RMSNorm of one 576-wide bf16 row, one thread, took 3.1 us through
+# the wrapper and 10.5 us through the op (2026-12-02, a 2-core AMD EPYC VM:
+#   python -m timeit -n 20000 -r 20 -s "import torch; from carpool.model.cpu_kernels import rms_norm;
+#     torch.set_num_threads(1); x = torch.randn(1, 576).bfloat16(); w = torch.ones(576).bfloat16()"
+#     "rms_norm(x, w, 1e-5)"    # and "torch.ops.carpool.rms_norm(x, w, 1e-5)"
+# ), and the model's forward makes ~10 such calls per layer per step.
+OPS = "carpool"
+
+
+@torch.library.custom_op(f"{OPS}::rms_norm", mutates_args=(), device_types="cpu")
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{OPS}::add_rms_norm", mutates_args=(), device_types="cpu")
+def _add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm(x, weight, eps, delta)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, delta, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{OPS}::rope_", mutates_args=("qk",), device_types="cpu")
+def _rope_op(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rope_(qk, cos, sin)
+
+
+@_rope_op.register_fake
+def _(qk, cos, sin):
+    return None
+
+
+@torch.library.custom_op(f"{OPS}::silu_mul", mutates_args=(), device_types="cpu")
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul(gate_up)
+
+
+@_silu_mul_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op(f"{OPS}::quantized_matmul", mutates_args=(), device_types="cpu")
+def _quantized_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
+                         n: int, amx_from: int | None) -> torch.Tensor:
+    return QuantizedMatmul(n, codes, scale, low)(x, amx_from)
+
+
+@_quantized_matmul_op.register_fake
+def _(x, codes, scale, low, n, amx_from):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.custom_op(f"{OPS}::paged_decode_attention", mutates_args=("cache",), device_types="cpu")
+def _paged_decode_attention_op(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float, block_size: int, k: torch.Tensor | None,
+                               v: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
+    new_kv = None if k is None else (k, v, slots)
+    return paged_decode_attention(q, cache, block_tables, context_lens, scale, block_size, new_kv=new_kv)
+
+
+@_paged_decode_attention_op.register_fake
+def _(q, cache, block_tables, context_lens, scale, block_size, k, v, slots):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{OPS}::paged_attention_runs", mutates_args=("cache",), device_types="cpu")
+def _paged_attention_runs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_starts: torch.Tensor,
+                             slots: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    return paged_attention_runs(q, k, v, cache, block_tables, context_lens, query_starts, slots, scale, block_size)
+
+
+@_paged_attention_runs_op.register_fake
+def _(q, k, v, cache, block_tables, context_lens, query_starts, slots, scale, block_size):
+    return q.new_empty(q.shape)

@@ -177,9 +177,8 @@ class QuantizedLinear(nn.Module):
         return y + self.dense.bias if self.has_bias else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The C kernel is a ctypes call, which a compiled graph cannot hold: there the dense
-        # copy runs (compiled steps have COMPILE_MIN_TOKENS or more, past the usual crossover).
-        if x.shape[0] <= self.max_quantized_tokens and (self.kernel is None or not torch.compiler.is_compiling()):
+        # Compiled graphs hold the C kernel too (as the op carpool::quantized_matmul).
+        if x.shape[0] <= self.max_quantized_tokens:
             return self.quantized(x)
         return self.dense(x)  # a oneDNN PackedLinear once the runner has packed the model
 

@@ -1,7 +1,10 @@
-"""The C kernels (model/csrc/cpu_kernels.c) against torch's ops and a naive fp64 attention."""
+"""The C kernels (model/csrc/cpu_kernels.c) against torch's ops and a naive fp64 attention; their
+signature table against csrc/kernels.h and the library; their wrappers' checks; their torch ops
+(fake implementations, torch.compile without graph breaks)."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -9,10 +12,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_leaves, tree_map
 
 from carpool.harness.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
+from carpool.model.cpu_kernels import KERNELS, KernelSignatureError, Signature
+from carpool.model.quant import QuantizedLinear
 from carpool.model.llama import apply_rope
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
@@ -194,6 +200,258 @@ def test_without_a_compiler_torch_ops_run(tmp_path, monkeypatch, caplog):
         assert not cpu_kernels.has_decode_kernel(torch.device("cpu"), torch.bfloat16)
     finally:
         cpu_kernels.library.cache_clear()
+
+
+# ---------------------------------------------------------------- the signature table
+
+def test_the_table_matches_the_header_and_types_the_calls():
+    signatures = cpu_kernels.check_signatures(KERNELS, cpu_kernels.HEADER.read_text())
+    assert signatures.keys() == KERNELS.keys() == cpu_kernels.header_prototypes(cpu_kernels.HEADER.read_text()).keys()
+    lib = cpu_kernels.library()
+    assert lib.rms_norm_bf16.argtypes == [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    assert lib.rms_norm_bf16.restype is None and lib.quantized_matmul.restype is ctypes.c_int
+    assert lib.quant_gemv_supported.argtypes == []
+    assert not lib.fused_layers._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # lets the GIL go
+    assert lib.rope_bf16._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+
+
+def test_the_header_parser_reads_prototypes_only():
+    header = """
+    /* int commented_out(int x); */
+    #include <stdint.h>
+    static inline float helper(uint16_t h) { float f; { f = h; } return f; }
+    typedef struct { int64_t a; float b; } Shape;
+    int none(void);
+    void *make(const Shape *shape,
+               int64_t n, float eps);  // spans lines
+    """
+    assert cpu_kernels.header_prototypes(header) == {
+        "none": Signature("int", ()),
+        "make": Signature("ptr", (("ptr", "shape"), ("i64", "n"), ("f32", "eps")))}
+    with pytest.raises(KernelSignatureError, match="double"):
+        cpu_kernels.header_prototypes("int f(double x);")
+
+
+def _with(name: str, args: str | None, returns: str = "void") -> dict[str, tuple[str, str]]:
+    table = dict(KERNELS)
+    if args is None:
+        del table[name]
+    else:
+        table[name] = (returns, args)
+    return table
+
+
+RMS_NORM = "ptr x, ptr delta, ptr x_out, ptr out, ptr weight, i64 rows, i64 dim, f32 eps"
+
+
+@pytest.mark.parametrize("table, message", [
+    (_with("rms_norm_bf16", RMS_NORM.replace("f32 eps", "i64 eps")), "rms_norm_bf16"),  # a wrong kind
+    (_with("rms_norm_bf16", RMS_NORM.replace(", f32 eps", "")), "rms_norm_bf16"),  # an argument short
+    (_with("rms_norm_bf16", RMS_NORM.replace("i64 rows, i64 dim", "i64 dim, i64 rows")), "rms_norm_bf16"),  # swapped
+    (_with("rms_norm_bf16", RMS_NORM, returns="int"), "rms_norm_bf16"),  # the return kind
+    (_with("rms_norm_bf16", RMS_NORM.replace("f32 eps", "double eps")), "unknown kind 'double'"),
+    (_with("rope_bf16", None), "rope_bf16: not in the table"),  # a prototype with no entry
+    (_with("no_such_kernel", "i64 n"), "no_such_kernel"),  # an entry with no prototype
+])
+def test_a_wrong_declaration_raises_at_load(table, message):
+    with pytest.raises(KernelSignatureError, match=message):
+        cpu_kernels.load(cpu_kernels.build(), table)
+
+
+def test_a_declared_kernel_the_library_lacks_raises_at_load(tmp_path):
+    header = tmp_path / "kernels.h"
+    header.write_text(cpu_kernels.HEADER.read_text() + "\nint not_built(int64_t n);\n")
+    with pytest.raises(KernelSignatureError, match="exports no not_built"):
+        cpu_kernels.load(cpu_kernels.build(), _with("not_built", "i64 n", returns="int"), header)
+
+
+# ---------------------------------------------------------------- the wrappers' checks
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).bfloat16()
+
+
+def test_calls_with_wrong_dtypes_shapes_or_devices_raise():
+    x, w = bf16(2, 64), bf16(64)
+    with pytest.raises(ValueError, match=r"rms_norm takes .*got x \[2, 64\] float32"):
+        cpu_kernels.rms_norm(x.float(), w, 1e-5)
+    with pytest.raises(ValueError, match="rms_norm"):
+        cpu_kernels.rms_norm(x, bf16(32), 1e-5)  # a weight too short: the kernel would read past it
+    with pytest.raises(ValueError, match="rms_norm"):
+        cpu_kernels.rms_norm(x, w, 1e-5, bf16(1, 64))
+    with pytest.raises(ValueError, match="meta"):
+        cpu_kernels.rms_norm(x.to("meta"), w, 1e-5)  # not CPU memory
+    with pytest.raises(ctypes.ArgumentError):  # the table's f32
+        cpu_kernels.rms_norm(x, w, "1e-5")
+    with pytest.raises(ValueError, match="rope_"):
+        cpu_kernels.rope_(bf16(2, 4, 16), bf16(1, 1, 16), bf16(2, 1, 16))  # cos for one row of two
+    with pytest.raises(ValueError, match="rope_"):
+        cpu_kernels.rope_(bf16(2, 16, 4).transpose(1, 2), bf16(2, 1, 16), bf16(2, 1, 16))  # heads not dense
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_kernels.silu_mul(bf16(2, 63))
+    q, cache = bf16(2, 4, 16), bf16(2, 32, 2, 16)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([10, 12])
+    with pytest.raises(ValueError, match="paged_decode_attention"):
+        cpu_kernels.paged_decode_attention(q, cache, tables.int(), lens, 0.3, 8)  # int32 tables
+    with pytest.raises(ValueError, match="paged_decode_attention"):
+        cpu_kernels.paged_decode_attention(q, cache.float(), tables, lens, 0.3, 8)  # cache dtype
+    with pytest.raises(ValueError, match="paged_decode_attention"):
+        cpu_kernels.paged_decode_attention(q, bf16(2, 32, 3, 16), tables, lens, 0.3, 8)  # 3 kv heads, 4 heads
+    with pytest.raises(ValueError, match="paged_decode_attention"):
+        cpu_kernels.paged_decode_attention(q, cache, tables[:1], lens, 0.3, 8)  # a table short
+    with pytest.raises(ValueError, match="new_kv"):
+        cpu_kernels.paged_decode_attention(q, cache, tables, lens, 0.3, 8,
+                                           new_kv=(bf16(2, 2, 16), bf16(2, 2, 16), torch.tensor([9])))
+    with pytest.raises(ValueError, match="paged_attention_runs"):
+        cpu_kernels.paged_attention_runs(q, bf16(2, 2, 16), bf16(2, 2, 16), cache, tables, lens,
+                                         torch.tensor([0, 1]), torch.tensor([9, 27]), 0.3, 8)  # starts [runs]
+
+
+@pytest.mark.skipif(not cpu_kernels.has_quantized_matmul(), reason="no AVX-512 VNNI or AVX2 here")
+def test_quantized_matmul_checks_its_weights_and_input():
+    codes, scale, low = QuantizedLinear(torch.nn.Linear(64, 40), "int4", torch.bfloat16).kernel.tensors
+    matmul = cpu_kernels.QuantizedMatmul(40, codes, scale, low)
+    assert matmul(bf16(3, 64)).shape == (3, 40)
+    with pytest.raises(ValueError, match=r"quantized_matmul takes a CPU tensor \[tokens, 64\]"):
+        matmul(bf16(3, 32))
+    with pytest.raises(ValueError, match="quantized_matmul"):
+        matmul(bf16(3, 64).half())
+    with pytest.raises(ValueError, match="QuantizedMatmul"):
+        cpu_kernels.QuantizedMatmul(64, codes, scale, low)  # packed for 40 rows: 3 blocks, not 4
+    with pytest.raises(ValueError, match="QuantizedMatmul"):
+        cpu_kernels.QuantizedMatmul(40, codes, scale.float(), low)
+
+
+# ---------------------------------------------------------------- the torch ops
+
+def op_cases() -> dict[str, tuple]:
+    """Each op with small inputs: (op, args)."""
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()
+    qk = r(3, 6 * 16)[:, :5 * 16].view(3, 5, 16)  # strided rows, as the model's view of QKV
+    angles = torch.randn(3, 1, 8, generator=gen).repeat(1, 1, 2)
+    ops = torch.ops.carpool
+    cases = {
+        "rms_norm": (ops.rms_norm, (r(3, 64), r(64), 1e-5)),
+        "add_rms_norm": (ops.add_rms_norm, (r(3, 64), r(3, 64), r(64), 1e-5)),
+        "rope_": (ops.rope_, (qk, angles.cos().bfloat16(), angles.sin().bfloat16())),
+        "silu_mul": (ops.silu_mul, (r(3, 64),)),
+        "paged_decode_attention": (ops.paged_decode_attention, (
+            r(2, 4, 16), r(2, 32, 2, 16), torch.tensor([[0, 1], [2, 3]]), torch.tensor([10, 12]), 0.3, 8,
+            r(2, 2, 16), r(2, 2, 16), torch.tensor([9, 27]))),
+        "paged_attention_runs": (ops.paged_attention_runs, (
+            r(3, 4, 16), r(3, 2, 16), r(3, 2, 16), r(2, 32, 2, 16), torch.tensor([[0, 1], [2, 3]]),
+            torch.tensor([11, 12]), torch.tensor([0, 2, 3]), torch.tensor([9, 10, 27]), 0.3, 8)),
+    }
+    if cpu_kernels.has_quantized_matmul():
+        codes, scale, low = QuantizedLinear(torch.nn.Linear(64, 40), "int4", torch.bfloat16).kernel.tensors
+        cases["quantized_matmul"] = (ops.quantized_matmul, (r(3, 64), codes, scale, low, 40, None))
+    return cases
+
+
+OPS = list(op_cases())
+
+
+def outputs(op, args) -> list[torch.Tensor]:
+    """The op's outputs, and for an op that returns nothing, the tensor it mutates."""
+    out = op(*args)
+    return list(out) if isinstance(out, (tuple, list)) else [args[0] if out is None else out]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_each_ops_fake_implementation_matches_its_output(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args = op_cases()[name]
+    real = outputs(op, args)
+    with FakeTensorMode() as mode:
+        fake = outputs(op, tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args))
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+    # torch's own checks: the schema's mutations and aliases, fake vs real, AOT dispatch
+    torch.library.opcheck(op, op_cases()[name][1])
+
+
+def compiled(fn, recorded: list):
+    """fn compiled with no graph break allowed, through AOT (functionalization, fake tensors);
+    the FX graphs Dynamo hands over are appended to `recorded`."""
+    def backend(gm, example_inputs):
+        recorded.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+
+
+def calls(graphs: list, name: str) -> int:
+    return sum(str(node.target) == f"carpool.{name}.default" or str(node.target) == f"carpool.{name}"
+               for gm in graphs for node in gm.graph.nodes if node.op == "call_function")
+
+
+def wrapper_cases() -> dict[str, tuple]:
+    """The public wrappers as the model calls them, around other ops: (fn, args, op name)."""
+    _, (x, delta, w, eps) = op_cases()["add_rms_norm"]
+    _, (qk, cos, sin) = op_cases()["rope_"]
+    _, (q, cache, tables, lens, scale, block, k, v, slots) = op_cases()["paged_decode_attention"]
+
+    def rope(qkv, cos, sin):
+        qkv = qkv * 1  # a fresh tensor, roped in place through a strided view of it
+        cpu_kernels.rope_(qkv[:, :80].view(3, 5, 16), cos, sin)
+        return qkv
+
+    def attend(q, cache, k, v):
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode_attention(q * 1, cache, tables, lens, scale, block, out, (k, v, slots))
+        return out
+
+    return {
+        "rms_norm": (lambda x, w: cpu_kernels.rms_norm(x * 2, w, eps), (x, w)),
+        "add_rms_norm": (lambda x, d, w: cpu_kernels.rms_norm(x, w, eps, d * 2), (x, delta, w)),
+        "rope_": (rope, (qk.as_strided((3, 96), (96, 1)), cos, sin)),
+        "silu_mul": (lambda g: cpu_kernels.silu_mul(g * 2), op_cases()["silu_mul"][1]),
+        "paged_decode_attention": (attend, (q, cache, k, v)),
+    }
+
+
+@pytest.mark.parametrize("name", list(wrapper_cases()))
+def test_compiled_wrappers_hold_their_op_with_no_graph_break(name):
+    fn, args = wrapper_cases()[name]
+    eager_args = [a.clone() for a in args]
+    want = fn(*eager_args)
+    graphs = []
+    got = compiled(fn, graphs)(*args)
+    assert calls(graphs, name) == 1
+    got, want = tree_leaves((got, args)), tree_leaves((want, eager_args))  # the outputs and any mutated input
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not cpu_kernels.has_quantized_matmul(), reason="no AVX-512 VNNI or AVX2 here")
+def test_a_compiled_quantized_matmul_holds_its_op():
+    _, (x, codes, scale, low, n, _) = op_cases()["quantized_matmul"]
+    matmul = cpu_kernels.QuantizedMatmul(n, codes, scale, low)
+    graphs = []
+    got = compiled(lambda x: matmul(x * 2) + 1, graphs)(x)
+    assert calls(graphs, "quantized_matmul") == 1
+    assert torch.equal(got, matmul(x * 2) + 1)
+
+
+def test_inductor_compiles_an_op_into_its_graph():
+    """Inductor (what the runner compiles with) calls the op from its generated code."""
+    _, (gate_up,) = op_cases()["silu_mul"]
+    fn = lambda g: cpu_kernels.silu_mul(g * 2) * 2  # both exact in bf16
+    explained = torch._dynamo.explain(fn)(gate_up)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True)(gate_up), fn(gate_up))
+
+
+def test_eager_calls_skip_the_op(monkeypatch):
+    """Outside torch.compile the wrappers call the library directly: an op's dispatch costs
+    more than a small kernel."""
+    def no_dispatch(*args):
+        raise AssertionError("dispatched through torch.ops")
+    for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "paged_decode_attention"):
+        monkeypatch.setattr(getattr(torch.ops.carpool, name), "default", no_dispatch)
+    for name, (fn, args) in wrapper_cases().items():
+        fn(*args)
 
 
 def decode_top1(engine, seqs: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:

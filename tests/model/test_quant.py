@@ -235,6 +235,28 @@ def test_crossover_stops_where_measuring_gets_slow_and_keeps_the_winner():
     assert measure_crossover([q]) == 0
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_compiled_layer_runs_the_c_kernel_where_it_wins(mode):
+    """The C kernel is the op carpool::quantized_matmul, so a compiled graph holds it (no graph
+    break) where the measured crossover says it wins, as on AVX2 alone at every size."""
+    if not cpu_kernels.has_quantized_matmul():
+        pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here")
+    q = QuantizedLinear(linear(40, 64, bias=True), mode, torch.bfloat16).to(torch.bfloat16)
+    q.max_quantized_tokens = EVERY_SIZE
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 64).bfloat16()
+    got = torch.compile(q, backend=backend, fullgraph=True, dynamic=True)(x)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert "carpool.quantized_matmul" in targets
+    assert torch.equal(got, q.quantized(x)) and not torch.equal(got, q.dense(x))
+
+
 def test_lm_head_stays_int8_under_int4():
     model = nn.ModuleDict({"proj": nn.Linear(64, 32), "lm_head": nn.Linear(64, 48)})
     assert quantize_linears(model, "int4", torch.float32) == 2

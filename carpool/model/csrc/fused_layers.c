@@ -13,22 +13,6 @@
 
 #include "kernels.h"
 
-/* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */
-typedef struct {
-    const uint8_t *codes;
-    const uint16_t *scale, *min, *bias;
-} QuantizedWeight;
-
-typedef struct {
-    const uint16_t *input_norm, *post_attention_norm;
-    QuantizedWeight qkv, o, gate_up, down;
-} DecoderLayerWeights;
-
-typedef struct {
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    float eps, scale;
-} DecoderShape;
-
 /* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`). */
 static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int64_t tokens, int64_t k, int64_t n,
                   int num_threads) {

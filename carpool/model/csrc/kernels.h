@@ -1,6 +1,7 @@
-/* What the C kernels share: bf16 <-> fp32 as torch rounds, and the entry points that
-   fused_layers.c strings together (model/cpu_kernels.py compiles every .c file here into one
-   library; a change to this header changes its cache key too). */
+/* What the C kernels share: bf16 <-> fp32 as torch rounds, fused_layers' argument structs, and
+   a prototype for every entry point of the library. model/cpu_kernels.py compiles every .c file
+   here into one library (this header is part of its cache key) and, when it loads it, checks
+   its own table of signatures, which ctypes calls with, against these prototypes. */
 
 #ifndef CARPOOL_KERNELS_H
 #define CARPOOL_KERNELS_H
@@ -38,8 +39,32 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
+/* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
+
+/* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scale, *min, *bias;
+} QuantizedWeight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_attention_norm;
+    QuantizedWeight qkv, o, gate_up, down;
+} DecoderLayerWeights;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} DecoderShape;
+
+/* The library's entry points: model/cpu_kernels.py reads these prototypes. */
+
+int quant_gemv_supported(void);
+int quant_amx_supported(void);
 int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                      int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
+int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                           int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, int64_t amx_from);
 int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
                          void *k_cache, void *v_cache, const int64_t *block_tables,
                          int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,
@@ -47,10 +72,22 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
                          int64_t block_size, float scale, int is_bf16, int num_threads,
                          const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
                          const int64_t *slots);
+int paged_decode_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                           void *k_cache, void *v_cache, const int64_t *block_tables,
+                           int64_t table_width, const int64_t *context_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int is_bf16, int num_threads,
+                           const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                           const int64_t *slots);
 void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, uint16_t *out,
                    const uint16_t *weight, int64_t rows, int64_t dim, float eps);
 void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
                const uint16_t *cos, const uint16_t *sin);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
+                 const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
+                 const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,
+                 const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                 const int64_t *query_starts, int64_t num_runs, const int64_t *slots, int num_threads);
 
 #endif
