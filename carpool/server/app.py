@@ -27,9 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from carpool.engine import LLMEngine
 from carpool.server import chat, completions
-from carpool.server.engine_process import EngineProcess
+from carpool.server.engine_client import EngineClient
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import (
     APIError,
@@ -141,24 +140,22 @@ def _body(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def create_app(engine: LLMEngine | EngineProcess, options: ServerOptions | None = None) -> FastAPI:
-    """The ASGI app over `engine`: an LLMEngine, whose loop the lifespan runs on a background
-    thread (embedding, tests), or an EngineProcess (`carpool serve`). The lifespan's end stops
-    the loop, and with a thread the engine's workers too."""
+def create_app(client: EngineClient, options: ServerOptions | None = None) -> FastAPI:
+    """The ASGI app over `client`: `AsyncLLMEngine.for_server(engine, options)` for an engine
+    of this process (embedding, tests), `EngineProcess.for_server` for `carpool serve`. The
+    lifespan starts the client and, at its end, stops it and releases the engine."""
     options = options or ServerOptions()
-    ctx = ServingContext(engine, options)
-    engine_thread = isinstance(engine, LLMEngine)
+    ctx = ServingContext(client, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.async_engine.start()  # the engine loop's thread, or reading the engine process's pipe
+        client.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(ctx.async_engine.stop)
+            await asyncio.to_thread(client.stop)
             ctx.close()
-            if engine_thread:
-                await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(client.shutdown)
 
     app = FastAPI(title="carpool", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
@@ -194,9 +191,9 @@ def create_app(engine: LLMEngine | EngineProcess, options: ServerOptions | None 
 
     @app.get("/health")
     async def health():
-        if ctx.async_engine.healthy:
+        if client.healthy:
             return Response(status_code=200)
-        return JSONResponse(error_body(ctx.async_engine.dead_message(), 503), status_code=503)
+        return JSONResponse(error_body(client.dead_message(), 503), status_code=503)
 
     @app.get("/version")
     async def version():
@@ -250,7 +247,7 @@ def create_app(engine: LLMEngine | EngineProcess, options: ServerOptions | None 
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = await ctx.render_metrics()
+        body, content_type = await client.render_metrics()
         return Response(body, media_type=content_type)
 
     return app

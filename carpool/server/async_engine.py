@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import ctypes
 import logging
 import os
@@ -32,14 +33,27 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from carpool.engine import LLMEngine
 from carpool.outputs import Logprob, RequestOutput
 from carpool.sampling_params import SamplingParams
+from carpool.server.engine_client import (
+    DEAD_AFTER_ERROR,
+    NOT_RUNNING,
+    EngineClient,
+    EngineDeadError,
+    EngineInfo,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestRejectedError,
+)
+from carpool.server.metrics import ServerMetrics, StatsLog
+from carpool.server.options import ServerOptions
 
 log = logging.getLogger("carpool.server")
 
@@ -90,37 +104,6 @@ class LoopWaker:
                 log.exception("callback %r failed", fn)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (crashed or shut down); the request cannot be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Admitting the request would grow the waiting queue past --max-waiting-requests."""
-
-
-class RequestRejectedError(ValueError):
-    """The engine refused one request of a group in add_request (a ValueError there)."""
-
-    def __init__(self, index: int, message: str):
-        super().__init__(message)
-        self.index = index
-
-    def __reduce__(self):  # it crosses the engine process's pipe
-        return type(self), (self.index, str(self))
-
-
-class RequestFailedError(RuntimeError):
-    """add_request failed with something other than a ValueError: a server-side fault."""
-
-
-class StepObserver(Protocol):
-    """Gets a look at the engine after every step, on the engine thread (for metrics)."""
-
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], stats) -> None: ...
-
-    def on_abort(self, engine: LLMEngine, num_aborted: int) -> None: ...
-
-
 @dataclass
 class _Add:
     group: RequestGroup
@@ -168,11 +151,14 @@ class Delta:
 
 
 class RequestGroup:
-    """The engine requests behind one HTTP request; iterate it for (index, Delta)."""
+    """The engine requests behind one HTTP request; iterate it for (index, Delta). Its client
+    reports to it on its event loop: `accepted` per request, `deliver` for outputs, `fail`."""
 
-    def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop, waker: LoopWaker,
-                 request_ids: list[str]):
-        self._engine = engine
+    def __init__(self, client: EngineClient, loop: asyncio.AbstractEventLoop, request_ids: list[str],
+                 waker: LoopWaker | None = None):
+        """`waker`: how the engine thread reaches `loop` (AsyncLLMEngine); None for a client
+        whose calls already arrive on the loop."""
+        self._client = client
         self._waker = waker
         self.request_ids = request_ids
         self._pending: dict[int, Delta] = {}  # merged deltas not yet taken, by choice index
@@ -188,8 +174,8 @@ class RequestGroup:
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    # ---------------------------------------------------- called on the loop, from the engine thread
-    def _on_added(self, index: int, error: BaseException | None) -> None:
+    # ---------------------------------------------------- the client's side, on the group's event loop
+    def accepted(self, index: int, error: BaseException | None) -> None:
         if self._accepted.done():
             return
         if error is not None:
@@ -199,12 +185,12 @@ class RequestGroup:
         if self._num_added == len(self.request_ids):
             self._accepted.set_result(None)
 
-    def _deliver(self, items: list[tuple[int, RequestOutput]]) -> None:
+    def deliver(self, items: list[tuple[int, RequestOutput]]) -> None:
         for index, out in items:
             self._pending.setdefault(index, Delta()).merge(out)
         self._ready.set()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         if not self._accepted.done():
             self._accepted.set_exception(error)
         self._error = error
@@ -240,20 +226,22 @@ class RequestGroup:
         if self._aborted or self.finished:
             return
         self._aborted = True
-        ids = [rid for i, rid in enumerate(self.request_ids) if i not in self._finished]
-        self._engine._push([_Abort(rid) for rid in ids])
+        self._client.abort([rid for i, rid in enumerate(self.request_ids) if i not in self._finished])
 
 
 class AsyncLLMEngine:
+    """The in-process `EngineClient`: an LLMEngine stepped by a loop on one thread, fed from
+    the event loop. It owns the engine: `shutdown` shuts the engine down."""
+
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None,
+                 metrics: ServerMetrics | None = None,
                  max_consecutive_failed_steps: int = MAX_CONSECUTIVE_FAILED_STEPS):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.max_consecutive_failed_steps = max_consecutive_failed_steps
-        self.observer = observer
+        self.metrics = metrics  # recorded on the engine thread after every step
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._num_pending_adds = 0      # queued _Add commands not yet handed to the engine
@@ -266,6 +254,31 @@ class AsyncLLMEngine:
         self.num_aborted = 0
         self._torch_threads = torch.get_num_threads()
         self._wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
+
+    @classmethod
+    def for_server(cls, engine: LLMEngine, options: ServerOptions) -> AsyncLLMEngine:
+        """The client `create_app` takes for an engine of this process: its waiting limit and
+        metrics as the server's options say (EngineProcess.for_server is the other kind)."""
+        metrics = ServerMetrics(options.model_names(engine.config.model)[0], engine.max_model_len,
+                                namespace=options.metrics_namespace,
+                                stats_log=None if options.disable_log_stats else StatsLog())
+        metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        return cls(engine, options.max_waiting_requests, metrics=metrics)
+
+    @cached_property
+    def info(self) -> EngineInfo:
+        """The engine thread detokenizes with engine.tokenizer; the frontend gets its own copy,
+        so that two threads never share one tokenizer object."""
+        info = EngineInfo.of(self.engine)
+        try:
+            return replace(info, tokenizer=copy.deepcopy(info.tokenizer))
+        except Exception:  # pragma: no cover - tokenizers that cannot be copied
+            return info
+
+    @property
+    def structured(self):
+        """The engine's own: a constraint compiled while preparing is cached for the engine thread."""
+        return self.engine.structured
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -304,9 +317,15 @@ class AsyncLLMEngine:
             return self._num_pending_adds + self._engine_waiting
 
     def dead_message(self) -> str:
-        if self.error is not None:
-            return "the engine has stopped after an internal error; see the server log"
-        return "the engine is not running"
+        return DEAD_AFTER_ERROR if self.error is not None else NOT_RUNNING
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        if self.metrics is None:
+            return b"", CONTENT_TYPE_LATEST
+        return self.metrics.render()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     # ------------------------------------------------------------ submitting (event loop thread)
     async def add_requests(self, entries: Sequence[tuple[list[int], SamplingParams]],
@@ -323,7 +342,7 @@ class AsyncLLMEngine:
         waker = self._wakers.get(loop)
         if waker is None:
             waker = self._wakers[loop] = LoopWaker(loop)
-        group = RequestGroup(self, loop, waker, ids)
+        group = RequestGroup(self, loop, ids, waker)
         commands = [_Add(group, i, rid, list(p), sp, arrival) for i, (rid, (p, sp)) in enumerate(zip(ids, entries))]
         with self._cond:
             limit = self.max_waiting_requests
@@ -336,6 +355,9 @@ class AsyncLLMEngine:
             self._cond.notify_all()
         await group.wait_accepted()
         return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._push([_Abort(rid) for rid in request_ids])
 
     def _push(self, commands: list[_Add | _Abort]) -> None:
         with self._cond:
@@ -368,8 +390,8 @@ class AsyncLLMEngine:
                 self._engine_waiting = len(engine.scheduler.waiting)
         if num_aborted:
             self.num_aborted += num_aborted
-            if self.observer is not None:
-                self.observer.on_abort(engine, num_aborted)
+            if self.metrics is not None:
+                self.metrics.on_abort(engine, num_aborted)
 
     def _add(self, cmd: _Add) -> None:
         try:
@@ -383,7 +405,7 @@ class AsyncLLMEngine:
         else:
             self._routes[cmd.request_id] = (cmd.group, cmd.index)
             error = None
-        self._call(cmd.group, "_on_added", cmd.index, error)
+        self._call(cmd.group, "accepted", cmd.index, error)
 
     def _loop(self) -> None:
         torch.set_num_threads(self._torch_threads)
@@ -404,11 +426,11 @@ class AsyncLLMEngine:
                 new_stats = stats[-1] if stats and stats[-1] is not last else None
                 with self._cond:
                     self._engine_waiting = len(engine.scheduler.waiting)
-                if self.observer is not None:
+                if self.metrics is not None:
                     try:
-                        self.observer.on_step(engine, outputs, new_stats)
+                        self.metrics.on_step(engine, outputs, new_stats)
                     except Exception:  # metrics must never take the engine down
-                        log.exception("metrics observer failed")
+                        log.exception("recording the metrics failed")
                 self._dispatch(outputs)
                 failed = engine.num_consecutive_failed_steps
                 if failed >= self.max_consecutive_failed_steps:
@@ -437,7 +459,7 @@ class AsyncLLMEngine:
                 log.error("request %s failed: %s", out.request_id, out.error)
             by_group.setdefault(group, []).append((index, out))
         for group, items in by_group.items():
-            self._call(group, "_deliver", items)
+            self._call(group, "deliver", items)
 
     def _fail_all(self, error: BaseException, pending: list[_Add | _Abort]) -> None:
         groups = {g: None for g, _ in self._routes.values()}
@@ -451,7 +473,7 @@ class AsyncLLMEngine:
         with self._cond:
             self._num_pending_adds = 0
         for group in groups:
-            self._call(group, "_fail", error)
+            self._call(group, "fail", error)
 
     def _call(self, group: RequestGroup, method: str, *args) -> None:
         """Run `group.<method>(*args)` on the group's event loop (engine_process overrides this

@@ -33,43 +33,25 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from carpool.config import EngineConfig
 from carpool.outputs import Logprob, RequestOutput
 from carpool.sampling_params import SamplingParams
-from carpool.server.async_engine import (
-    AsyncLLMEngine,
+from carpool.server.async_engine import AsyncLLMEngine, RequestGroup, _Abort, _Add
+from carpool.server.engine_client import (
+    DEAD_AFTER_ERROR,
+    NOT_RUNNING,
     EngineDeadError,
+    EngineInfo,
     EngineOverloadedError,
-    RequestGroup,
-    _Abort,
-    _Add,
 )
+from carpool.server.options import ServerOptions
+from carpool.server.startup import freeze_startup_objects
+from carpool.structured import StructuredOutputs
 
 log = logging.getLogger("carpool.server")
 
 READY_TIMEOUT = 600.0  # model load and compile warm-up
-
-
-@dataclass
-class EngineInfo:
-    """What the frontend needs from the engine to validate and answer requests."""
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    sampling_defaults: SamplingParams
-    tokenizer: Any
-    eos_token_ids: list[int]
-    num_blocks: int
-    block_size: int
-
-    @classmethod
-    def of(cls, engine) -> EngineInfo:
-        return cls(engine.config.model, engine.max_model_len, engine.model_config.vocab_size,
-                   engine.default_sampling_params(), engine.tokenizer, list(engine.eos_token_ids),
-                   engine.block_manager.num_blocks, engine.block_manager.block_size)
 
 
 @dataclass
@@ -99,16 +81,16 @@ class OutputDelta:
 class _EngineCore(AsyncLLMEngine):
     """The in-process loop, with groups as keys and their calls sent to the frontend."""
 
-    def __init__(self, engine, conn, observer):
-        super().__init__(engine, observer=observer)
+    def __init__(self, engine, conn, metrics):
+        super().__init__(engine, metrics=metrics)
         self._conn = conn
         self._outbox: list[tuple[int, str, tuple]] = []
         self._send_lock = threading.Lock()  # the reader thread answers metrics requests
 
     def _call(self, group, method: str, *args) -> None:
-        if method == "_deliver":
+        if method == "deliver":
             args = ([(index, OutputDelta.of(out)) for index, out in args[0]],)
-        elif method in ("_on_added", "_fail") and args[-1] is not None:
+        elif method in ("accepted", "fail") and args[-1] is not None:
             args = (*args[:-1], _picklable(args[-1]))
         self._outbox.append((group, method, args))
 
@@ -161,7 +143,6 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
     """The engine process's main: load the engine, say ready, run the step loop on this (main)
     thread until the frontend says stop or goes away."""
     from carpool.engine import LLMEngine
-    from carpool.server.launch import freeze_startup_objects
     from carpool.server.metrics import ServerMetrics, StatsLog
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group: the frontend drains, then stops us
@@ -218,9 +199,9 @@ def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str],
 
 
 class EngineProcess:
-    """The frontend's handle on the engine process: AsyncLLMEngine's interface for the server
-    (start, add_requests, healthy, num_waiting, stop), over the pipe. The event loop reads the
-    pipe itself (`start`), so a step's tokens reach their handlers with one wake-up."""
+    """The out-of-process `EngineClient`: the frontend's handle on the engine process, over the
+    pipe. The event loop reads the pipe itself (`start`), so a step's tokens reach their
+    handlers with one wake-up."""
 
     def __init__(self, config: EngineConfig, model_name: str, max_waiting_requests: int | None = None,
                  metrics_namespace: str | None = None, log_stats: bool = False):
@@ -256,7 +237,8 @@ class EngineProcess:
         if message[0] != "ready":
             self.process.join()
             raise RuntimeError(f"the engine process failed to start: {message[1]}")
-        self.info: EngineInfo = message[1]
+        self.info: EngineInfo = message[1]  # its tokenizer a copy, unpickled here
+        self.structured = StructuredOutputs(self.info.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
         self.error: BaseException | None = None
         self.num_aborted = 0
         self._engine_waiting = 0
@@ -278,9 +260,13 @@ class EngineProcess:
         return self._num_pending_adds + self._engine_waiting
 
     def dead_message(self) -> str:
-        if self.error is not None:
-            return "the engine has stopped after an internal error; see the server log"
-        return "the engine is not running"
+        return DEAD_AFTER_ERROR if self.error is not None else NOT_RUNNING
+
+    @classmethod
+    def for_server(cls, config: EngineConfig, options: ServerOptions) -> EngineProcess:
+        """The client `carpool serve` gives `create_app` (AsyncLLMEngine.for_server: in process)."""
+        return cls(config, options.model_names(config.model)[0], options.max_waiting_requests,
+                   options.metrics_namespace, log_stats=not options.disable_log_stats)
 
     # ------------------------------------------------------------ lifecycle (event loop thread)
     def start(self) -> None:
@@ -304,6 +290,11 @@ class EngineProcess:
             self.process.kill()
             self.process.join()
 
+    def shutdown(self) -> None:
+        """The engine shut itself down as its process ended (`stop`): nothing is left to release."""
+        if self.process.is_alive():
+            self.stop()
+
     # ------------------------------------------------------------ submitting (event loop thread)
     async def add_requests(self, entries: Sequence[tuple[list[int], SamplingParams]],
                            arrival_time: float | None = None, prefix: str | None = None) -> RequestGroup:
@@ -313,7 +304,7 @@ class EngineProcess:
         prefix = prefix or uuid.uuid4().hex
         arrival = time.monotonic() if arrival_time is None else arrival_time  # one clock: CLOCK_MONOTONIC
         ids = [f"{prefix}-{i}" for i in range(len(entries))]
-        group = RequestGroup(self, self._loop, _Immediate, ids)
+        group = RequestGroup(self, self._loop, ids)
         limit = self.max_waiting_requests
         if limit is not None and self.num_waiting + len(entries) > limit:
             raise EngineOverloadedError(f"the server is overloaded: {self.num_waiting} requests are waiting "
@@ -326,10 +317,9 @@ class EngineProcess:
         await group.wait_accepted()
         return group
 
-    def _push(self, commands: list[_Abort]) -> None:
-        """A group's abort (RequestGroup calls this)."""
+    def abort(self, request_ids: list[str]) -> None:
         try:
-            self._send(("abort", [c.request_id for c in commands]))
+            self._send(("abort", request_ids))
         except EngineDeadError:
             pass  # nothing left to abort
 
@@ -364,7 +354,7 @@ class EngineProcess:
         if message[0] == "events":
             _, events, self._engine_waiting, self.num_aborted = message
             for key, method, args in events:
-                self._num_pending_adds -= method == "_on_added"  # one per request added or refused
+                self._num_pending_adds -= method == "accepted"  # one per request added or refused
                 group = self._groups.get(key)
                 if group is not None:
                     getattr(group, method)(*args)
@@ -382,17 +372,10 @@ class EngineProcess:
             self.error = EngineDeadError("the engine process has died")
         error = EngineDeadError("the server is shutting down" if self._stopping else self.dead_message())
         for group in list(self._groups.values()):
-            group._fail(error)
+            group.fail(error)
         self._groups.clear()
         self._num_pending_adds = 0
         for future in self._metrics.values():
             if not future.done():
                 future.set_exception(error)
 
-
-class _Immediate:
-    """The waker of groups whose calls already arrive on their event loop (EngineProcess._read)."""
-
-    @staticmethod
-    def call(fn, *args) -> None:
-        fn(*args)

@@ -13,24 +13,15 @@ dies, /health turns 503 and requests fail with a clear error until the frontend 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import signal
 import sys
 
 from carpool.config import EngineConfig
 from carpool.server.options import ServerOptions
+from carpool.server.startup import freeze_startup_objects
 
 log = logging.getLogger("carpool.server")
-
-
-def freeze_startup_objects() -> None:
-    """Exempt what start-up built from the cyclic garbage collector, as vLLM does. The imports,
-    the model and torch.compile's graphs are ~1 million objects that live as long as the
-    process; every full collection walked them all: in a 16-request burst, full collections of
-    100-470 ms (growing) stalled the engine loop, and one was the burst's largest inter-token gap."""
-    gc.collect()
-    gc.freeze()
 
 
 def _uvicorn_server_class():
@@ -53,8 +44,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     from carpool.server.app import create_app
     from carpool.server.engine_process import EngineProcess
 
-    engine = EngineProcess(config, options.model_names(config.model)[0], options.max_waiting_requests,
-                           options.metrics_namespace, log_stats=not options.disable_log_stats)
+    engine = EngineProcess.for_server(config, options)
     try:
         torch.set_num_threads(1)  # the frontend runs no kernels; the engine process owns the cores
         app = create_app(engine, options)

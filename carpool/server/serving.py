@@ -13,7 +13,6 @@ because the tokenizer is one object and a tokenizer's settings are not safe to s
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import math
@@ -27,23 +26,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from carpool.engine import LLMEngine
 from carpool.outputs import Logprob
 from carpool.sampling_params import SamplingParams, StructuredOutputsParams
-from carpool.server.async_engine import (
-    AsyncLLMEngine,
-    Delta,
+from carpool.server.async_engine import Delta, RequestGroup
+from carpool.server.engine_client import (
+    EngineClient,
     EngineDeadError,
     EngineOverloadedError,
     RequestFailedError,
-    RequestGroup,
     RequestRejectedError,
 )
-from carpool.server.engine_process import EngineInfo, EngineProcess
-from carpool.server.metrics import ServerMetrics, StatsLog
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
-from carpool.structured import StructuredOutputs
 from carpool.structured.grammar import GrammarError
 from carpool.structured.masks import GRAMMAR_REFUSED
 from carpool.tools.parsers import get_tool_parser
@@ -157,28 +151,12 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
 class ServingContext:
     """The engine, tokenizer and limits every endpoint needs, and the shared request path."""
 
-    def __init__(self, engine: LLMEngine | EngineProcess, options: ServerOptions):
+    def __init__(self, client: EngineClient, options: ServerOptions):
         self.options = options
-        if isinstance(engine, EngineProcess):  # carpool serve: the engine's own metrics, over the pipe
-            info = engine.info
-            self.metrics = None
-            self.async_engine: AsyncLLMEngine | EngineProcess = engine
-            self.tokenizer = info.tokenizer  # a copy, unpickled here
-            self.structured = StructuredOutputs(info.tokenizer, info.vocab_size, info.eos_token_ids)
-        else:  # the engine on a thread of this process (embedding, tests)
-            info = EngineInfo.of(engine)
-            self.metrics = ServerMetrics(options.model_names(info.model)[0], info.max_model_len,
-                                         namespace=options.metrics_namespace,
-                                         stats_log=None if options.disable_log_stats else StatsLog())
-            self.metrics.set_cache_config(info.num_blocks, info.block_size)
-            self.async_engine = AsyncLLMEngine(engine, options.max_waiting_requests, observer=self.metrics)
-            # The engine thread detokenizes with engine.tokenizer; the prepare thread gets its own
-            # copy, so that the two threads never share one tokenizer object.
-            try:
-                self.tokenizer = copy.deepcopy(engine.tokenizer)
-            except Exception:  # pragma: no cover - tokenizers that cannot be copied
-                self.tokenizer = engine.tokenizer
-            self.structured = engine.structured
+        self.client = client
+        info = client.info
+        self.tokenizer = info.tokenizer  # the frontend's own (the engine detokenizes with another)
+        self.structured = client.structured
         self.served_model_names = options.model_names(info.model)
         self.model_name = self.served_model_names[0]
         self.max_model_len = info.max_model_len
@@ -190,11 +168,6 @@ class ServingContext:
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
         self._warned_fields: set[str] = set()
         self.chat_template = options.chat_template_text()
-
-    async def render_metrics(self) -> tuple[bytes, str]:
-        if self.metrics is not None:
-            return self.metrics.render()
-        return await self.async_engine.render_metrics()
 
     def close(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
@@ -316,7 +289,7 @@ class ServingContext:
             log.info("request %s: %d choice(s), prompt %r", prepared.request_id, len(prepared.entries),
                      text[:self.options.max_log_len] if self.options.max_log_len is not None else text)
         try:
-            return await self.async_engine.add_requests(prepared.entries, arrival_time=arrival,
+            return await self.client.add_requests(prepared.entries, arrival_time=arrival,
                                                         prefix=prepared.request_id)
         except EngineOverloadedError as exc:
             raise APIError(str(exc), 503, code="overloaded",

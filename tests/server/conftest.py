@@ -1,7 +1,11 @@
-"""In-process servers for the API tests: uvicorn on a free loopback port in a background thread.
+"""Servers for the API tests.
 
-Model loading costs seconds, so one default server is shared by the whole session; tests that
-need other settings (or that kill the engine loop) start their own.
+The HTTP contract (validation, response and chunk shapes, error bodies) is checked against a
+scripted engine in process (`api`, scripted.py): no model, no sockets. What needs the model (the
+tokens themselves, the KV cache, real faults) runs on real servers: uvicorn on a free loopback
+port in a background thread over a real engine. Model loading costs seconds, so one default
+server is shared by the whole session; tests that need other settings (or that kill the engine
+loop) start their own.
 """
 
 from __future__ import annotations
@@ -9,16 +13,24 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool import LLMEngine
+from carpool.config import default_model_path
 from carpool.server.app import create_app
+from carpool.server.async_engine import AsyncLLMEngine
 from carpool.server.options import ServerOptions
 from carpool.server.serving import ServingContext
+from carpool.structured import StructuredOutputs
+from carpool.tokenizer import load_tokenizer
+from tests.server.scripted import ScriptedEngine, serve
 
 MODEL_NAME = "smol"
 ENGINE_KWARGS = dict(dtype="float32", num_threads=2, kv_cache_memory=128 << 20, seed=0)
@@ -51,7 +63,8 @@ class Served:
 
 def start_server(engine: LLMEngine, **app_kwargs) -> Served:
     app_kwargs.setdefault("served_model_name", [MODEL_NAME])
-    app = create_app(engine, ServerOptions(**app_kwargs))
+    options = ServerOptions(**app_kwargs)
+    app = create_app(AsyncLLMEngine.for_server(engine, options), options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -80,23 +93,19 @@ def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> bool:
     return False
 
 
+def metric_sample(text: str, name: str, **labels) -> float:
+    """One sample of a Prometheus exposition, summed over the label sets that match `labels`
+    (a counter's sample is its name with `_total`, a histogram's `_count`, `_sum`, `_bucket`)."""
+    values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())]
+    if not values:
+        raise KeyError(f"{name} {labels} not in the exposition")
+    return sum(values)
+
+
 def metric_value(url: str, name: str, **labels) -> float:
-    """One sample from /metrics (summing over label sets that match `labels`)."""
-    text = httpx.get(url + "/metrics").text
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-            found = True
-    if not found:
-        raise KeyError(f"{name} {labels} not in /metrics")
-    return total
+    """One sample from the server's /metrics."""
+    return metric_sample(httpx.get(url + "/metrics").text, name, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +130,63 @@ def served():
     s = start_server(engine)
     yield s
     s.stop()
+
+
+# ------------------------------------------------------------------ the scripted engine, in process
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def structured(tokenizer):
+    return StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+@pytest.fixture
+def scripted(tokenizer, structured) -> ScriptedEngine:
+    return ScriptedEngine(tokenizer, structured, vocab_size=len(tokenizer))
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+async def api(scripted, anyio_backend):
+    """An httpx client on `create_app(scripted)` with the default options."""
+    async with serve(scripted) as http:
+        yield http
+
+
+@asynccontextmanager
+async def real_http(s: Served) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+        http.ctx = s.server
+        yield http
+
+
+BOTH = ["scripted", pytest.param("real", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=BOTH)
+async def http(request, anyio_backend):
+    """A contract that holds whatever the engine: checked on the scripted engine in the default
+    suite, and on the shared real server as well in the slow one. `http.ctx`: the ServingContext."""
+    if request.param == "scripted":
+        async with serve(request.getfixturevalue("scripted")) as client:
+            yield client
+    else:
+        async with real_http(request.getfixturevalue("served")) as client:
+            yield client
+
+
+@pytest.fixture(params=BOTH)
+def make_http(request, anyio_backend):
+    """`async with make_http(**server options) as http`: a server of its own with those options,
+    on the scripted engine (default suite) or a real engine (slow suite)."""
+    if request.param == "scripted":
+        return lambda **options: serve(request.getfixturevalue("scripted"), **options)
+    factory = request.getfixturevalue("server_factory")
+    return lambda **options: real_http(factory(**options))

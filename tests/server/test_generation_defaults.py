@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from carpool.server.async_engine import AsyncLLMEngine
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import CompletionRequest, parse_request
 from carpool.server.serving import ServingContext
@@ -10,7 +11,7 @@ from carpool.server.serving import ServingContext
 def test_generation_config_fills_unset_fields(engine_fp32, monkeypatch):
     monkeypatch.setattr(engine_fp32.model_config, "generation_defaults",
                         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
-    ctx = ServingContext(engine_fp32, ServerOptions())
+    ctx = ServingContext(AsyncLLMEngine(engine_fp32), ServerOptions())
     sp = ctx.sampling_params(parse_request(CompletionRequest, b'{"prompt": "Hi"}'), 16, 0, None)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
     body = b'{"prompt": "Hi", "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "repetition_penalty": 1}'
@@ -20,6 +21,6 @@ def test_generation_config_fills_unset_fields(engine_fp32, monkeypatch):
 
 def test_without_generation_config_the_openai_defaults(engine_fp32):
     assert engine_fp32.model_config.generation_defaults == {}
-    ctx = ServingContext(engine_fp32, ServerOptions())
+    ctx = ServingContext(AsyncLLMEngine(engine_fp32), ServerOptions())
     sp = ctx.sampling_params(parse_request(CompletionRequest, b'{"prompt": "Hi"}'), 16, 0, None)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from carpool.server.launch import freeze_startup_objects
+from carpool.server.startup import freeze_startup_objects
 
 
 def test_startup_objects_are_frozen_and_garbage_is_collected_first():

@@ -1,12 +1,22 @@
-"""The OpenAI-compatible surface, driven by the official `openai` client (sync and async)."""
+"""The OpenAI-compatible surface. Response and chunk shapes, validation and the small
+endpoints run against the scripted engine (`api`, `http`); what the tokens must be (greedy,
+seeds, stops, logprobs, the prefix cache) against the real engine, with the official `openai`
+client (sync and async)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from tests.server.scripted import REPLY
+
+pytestmark = pytest.mark.anyio
 
 PROMPT = "The capital of France is"
 
@@ -30,11 +40,134 @@ def tokenize(served, **body) -> list[int]:
     return httpx.post(served.url + "/tokenize", json=body).json()["tokens"]
 
 
-# ------------------------------------------------------------------ completions
-def test_models_and_health(served, client):
-    models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL_NAME]
-    assert httpx.get(served.url + "/health").status_code == 200
+def events(r: httpx.Response) -> list[dict]:
+    """The JSON events of a server-sent event stream, after checking its framing."""
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    blocks = r.text.split("\n\n")
+    assert blocks[-2:] == ["data: [DONE]", ""]
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    return [json.loads(b[6:]) for b in blocks[:-2]]
+
+
+# ------------------------------------------------------------------ shapes, on the scripted engine
+
+async def test_models_and_health(http):
+    r = await http.get("/v1/models")
+    [model] = r.json()["data"]
+    assert r.json()["object"] == "list"
+    assert model["id"] == MODEL_NAME and model["object"] == "model" and model["owned_by"] == "carpool"
+    assert model["max_model_len"] == http.ctx.max_model_len
+    assert (await http.get("/health")).status_code == 200
+
+
+async def test_completion_body(api, scripted):
+    r = await api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "n": 2})
+    body = r.json()
+    Completion.model_validate(body)
+    [(prompt, params)] = scripted.added[:1]
+    tokens = scripted.tokens(prompt, params)
+    text = scripted.info.tokenizer.decode(tokens)
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL_NAME
+    assert [(c["index"], c["text"], c["finish_reason"], c["logprobs"]) for c in body["choices"]] == [
+        (0, text, "length", None), (1, text, "length", None)]
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 8, "total_tokens": len(prompt) + 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    short = (await api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})).json()
+    assert short["choices"][0]["text"] == REPLY and short["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_completion_stream_chunks(api, scripted):
+    r = await api.post("/v1/completions", json={"prompt": [PROMPT, "1, 2, 3,"], "max_tokens": 3, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    chunks = events(r)
+    *pieces, last = chunks
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in pieces)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in pieces if c["choices"][0]["index"] == index]
+        assert len(mine) == 3  # a chunk per token
+        assert [c["finish_reason"] for c in mine] == [None, None, "length"]
+        assert "".join(c["text"] for c in mine) == scripted.info.tokenizer.decode(scripted.tokens(*scripted.added[index]))
+    prompt_tokens = sum(len(p) for p, _ in scripted.added)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert last["usage"]["prompt_tokens"] == prompt_tokens
+    plain = events(await api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}))
+    assert all("usage" not in c for c in plain)  # no usage key unless asked
+
+
+async def test_completion_echo_and_logprobs_shape(api, scripted):
+    body = (await api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "echo": True,
+                                                     "logprobs": 2})).json()
+    choice = body["choices"][0]
+    prompt, _ = scripted.added[0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(PROMPT) and "".join(lp["tokens"]) == choice["text"]
+    assert len(lp["tokens"]) == len(prompt) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert len(top) == 2 and value == max(top.values())
+
+
+async def test_chat_body_and_stream_chunks(api, scripted):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    body = (await api.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "logprobs": True,
+                                                          "top_logprobs": 2})).json()
+    ChatCompletion.model_validate(body)
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == choice["message"]["content"] and len(content) == 5
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] == c["top_logprobs"][0]["logprob"] for c in content)
+    assert body["usage"]["prompt_tokens"] == len(scripted.added[0][0])
+    chunks = events(await api.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}))
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == \
+        choice["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+
+
+async def test_what_the_engine_is_asked(api, scripted):
+    """Prompts (text or ids, one engine request per prompt x choice, prompt-major), choice j's
+    seed (seed + j), and the sampling fields, as the engine gets them."""
+    ids = (await api.post("/tokenize", json={"prompt": PROMPT})).json()["tokens"]
+    body = (await api.post("/v1/completions", json={"prompt": [PROMPT, ids[:2]], "n": 3, "seed": 5, "max_tokens": 4,
+                                                     "ignore_eos": True})).json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert body["usage"]["prompt_tokens"] == len(ids) + 2  # each prompt once, not n times
+    assert body["usage"]["completion_tokens"] == 24
+    assert [(p, sp.seed) for p, sp in scripted.added] == [(ids, 5), (ids, 6), (ids, 7),
+                                                          (ids[:2], 5), (ids[:2], 6), (ids[:2], 7)]
+    await api.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.5,
+        "frequency_penalty": 0.25, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "stop": [" the"],
+        "stop_token_ids": [7], "min_tokens": 2, "ignore_eos": True, "logit_bias": {"11": 3}})
+    sp = scripted.added[-1][1]
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.presence_penalty, sp.frequency_penalty, sp.top_k,
+            sp.min_p, sp.repetition_penalty) == (6, 0.7, 0.9, 0.5, 0.25, 20, 0.05, 1.2)
+    assert (sp.stop, sp.stop_token_ids, sp.min_tokens, sp.ignore_eos, sp.logit_bias) == (
+        [" the"], [7], 2, True, {11: 3})
+    assert sp.output_kind == "delta" and sp.seed is None
+
+
+async def test_many_concurrent_streams_each_get_their_own_tokens(api, scripted):
+    """Streams interleave on the event loop (a token per step each); each gets exactly its own."""
+    lengths = [2 + i % 7 for i in range(64)]
+    rs = await asyncio.gather(*(api.post("/v1/completions", json={"prompt": f"job {i}", "max_tokens": m,
+                                                                   "ignore_eos": True, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+                                for i, m in enumerate(lengths)))
+    for m, r in zip(lengths, rs):
+        chunks = events(r)
+        assert chunks[-1]["usage"]["completion_tokens"] == m and len(chunks) == m + 1
+    assert scripted.idle
+
+
+# ------------------------------------------------------------------ the tokens, on the real engine
 
 
 def test_completion_usage_and_length(served, greedy):
@@ -80,6 +213,7 @@ def test_a_token_whose_text_is_held_still_streams_a_chunk(served, client):
         assert choices[-1].finish_reason == "length"
 
 
+@pytest.mark.slow  # the request's side: test_what_the_engine_is_asked
 def test_prompt_forms(served, client, greedy):
     ids = tokenize(served, prompt=PROMPT)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0,
@@ -101,6 +235,7 @@ def test_echo(client, greedy):
     assert out.choices[0].text == PROMPT + greedy.choices[0].text
 
 
+@pytest.mark.slow  # the request's side: test_what_the_engine_is_asked
 def test_n_choices_use_seed_plus_index(served, client):
     kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, temperature=1.0,
               extra_body={"ignore_eos": True})
@@ -120,6 +255,7 @@ def test_n_choices_use_seed_plus_index(served, client):
     assert texts == singles and sorted(finishes) == [0, 1, 2]
 
 
+@pytest.mark.slow  # the request's side: test_what_the_engine_is_asked
 def test_seed_reproducibility(client):
     kw = dict(model=MODEL_NAME, prompt="My favourite food is", max_tokens=10, temperature=1.0)
     a = client.completions.create(seed=123, **kw).choices[0].text
@@ -144,6 +280,7 @@ def test_stop_string(client, greedy):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow  # the request's side: test_what_the_engine_is_asked
 def test_stop_token_ids_and_min_tokens(client, greedy, served):
     first = tokenize(served, prompt=greedy.choices[0].text)[0]
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
@@ -167,6 +304,7 @@ def test_completion_logprobs(client, greedy):
         assert value == pytest.approx(max(top.values()))  # greedy picks the most likely token
 
 
+@pytest.mark.slow  # the request's side: test_what_the_engine_is_asked
 def test_sampling_fields_accepted(client):
     out = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
@@ -204,9 +342,9 @@ def test_chat_echo_of_a_partial_assistant_turn(client):
     assert len(out.choices[0].message.content) > len("The answer is")
 
 
-def test_chat_template_is_applied(served):
-    ids = tokenize(served, messages=MESSAGES)
-    text = httpx.post(served.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+async def test_chat_template_is_applied(http):
+    ids = (await http.post("/tokenize", json={"messages": MESSAGES})).json()["tokens"]
+    text = (await http.post("/detokenize", json={"tokens": ids})).json()["prompt"]
     assert "<|im_start|>user\nWhat is 2 + 2?<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -252,12 +390,12 @@ def test_async_client_concurrent(served):
 
 
 # ------------------------------------------------------------------ small endpoints
-def test_tokenize_detokenize(served):
-    r = httpx.post(served.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
-    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == served.engine.max_model_len
-    back = httpx.post(served.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+async def test_tokenize_detokenize(http):
+    r = (await http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False})).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == http.ctx.max_model_len
+    back = (await http.post("/detokenize", json={"tokens": r["tokens"]})).json()
     assert back["prompt"] == "hello world"
-    bad = httpx.post(served.url + "/detokenize", json={"tokens": [10**9]})
+    bad = await http.post("/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
@@ -333,29 +471,26 @@ BAD = [
 
 
 @pytest.mark.parametrize("route,body,param", BAD, ids=[f"{r}-{p}" for r, _, p in BAD])
-def test_bad_request_names_the_field(served, route, body, param):
-    r = httpx.post(f"{served.v1}/{route}", json=body)
+async def test_bad_request_names_the_field(http, route, body, param):
+    r = await http.post(f"/v1/{route}", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert param in err["message"]
 
 
-def test_bad_json_and_context_overflow(served, client):
+async def test_bad_json_and_context_overflow(http):
     for raw in (b"{not json", b"[1, 2]", b""):
-        r = httpx.post(served.v1 + "/completions", content=raw, headers={"content-type": "application/json"})
+        r = await http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()
-    too_long = [100] * served.engine.max_model_len
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt=too_long, max_tokens=4)
-    assert e.value.body["param"] == "prompt" and e.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=served.engine.max_model_len)
-    assert e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="nope", messages=MESSAGES)
-    assert e.value.body["param"] == "model"
+    limit = http.ctx.max_model_len
+    r = await http.post("/v1/completions", json={"prompt": [100] * limit, "max_tokens": 4})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt" and r.json()["error"]["code"] == "context_length_exceeded"
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": limit})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     # ...and the server keeps serving.
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
-    assert out.usage.completion_tokens == 3
-    assert served.wait_idle()
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 3

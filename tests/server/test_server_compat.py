@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 
-import httpx
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -14,12 +13,14 @@ from carpool.server.metrics import ServerMetrics
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
+pytestmark = pytest.mark.anyio
 
-def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
+
+async def test_unknown_fields_are_ignored_and_logged_once(http, caplog):
     caplog.set_level(logging.WARNING, logger="carpool.server")
     for _ in range(2):
-        r = httpx.post(served.v1 + "/completions", json={"prompt": "Hi", "max_tokens": 2, "cache_prompt": False,
-                                                         "n_probs": 3})
+        r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "cache_prompt": False,
+                                                      "n_probs": 3})
         assert r.status_code == 200
     warnings = [m for m in caplog.messages if "cache_prompt" in m]
     assert len(warnings) == 1 and "n_probs" in warnings[0]
@@ -29,21 +30,21 @@ def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
     ("guided_decoding_backend", "xgrammar"), ("logits_processors", ["mine"]), ("use_beam_search", True),
     ("tool_choice", "required"),
 ])
-def test_fields_that_would_change_the_output_are_refused(served, field, value):
-    for path, body in (("/completions", {"prompt": "Hi"}), ("/chat/completions", CHAT)):
-        r = httpx.post(served.v1 + path, json=dict(body, **{field: value}))
+async def test_fields_that_would_change_the_output_are_refused(http, field, value):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", CHAT)):
+        r = await http.post(path, json=dict(body, **{field: value}))
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
-def test_harmless_values_of_those_fields_pass(served):
-    r = httpx.post(served.v1 + "/chat/completions", json=dict(CHAT, tool_choice="none", guided_json=None))
+async def test_harmless_values_of_those_fields_pass(http):
+    r = await http.post("/v1/chat/completions", json=dict(CHAT, tool_choice="none", guided_json=None))
     assert r.status_code == 200
 
 
-def test_version_and_ping(served):
-    assert httpx.get(served.url + "/version").json()["version"]
-    assert httpx.get(served.url + "/ping").status_code == 200
-    assert httpx.post(served.url + "/ping").status_code == 200
+async def test_version_and_ping(http):
+    assert (await http.get("/version")).json()["version"]
+    assert (await http.get("/ping")).status_code == 200
+    assert (await http.post("/ping")).status_code == 200
 
 
 def test_metrics_under_vllm_names():
@@ -56,14 +57,14 @@ def test_metrics_under_vllm_names():
         ServerMetrics("m", 2048, namespace="other")
 
 
-def test_responses_validate_against_the_openai_types(served):
-    body = {"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2}
-    Completion.model_validate(httpx.post(served.v1 + "/completions", json=body).json())
-    ChatCompletion.model_validate(httpx.post(served.v1 + "/chat/completions",
-                                             json=dict(CHAT, logprobs=True, top_logprobs=2)).json())
-    with httpx.stream("POST", served.v1 + "/chat/completions",
-                      json=dict(CHAT, stream=True, stream_options={"include_usage": True})) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+async def test_responses_validate_against_the_openai_types(http):
+    body = {"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2, "ignore_eos": True}
+    Completion.model_validate((await http.post("/v1/completions", json=body)).json())
+    ChatCompletion.model_validate((await http.post("/v1/chat/completions",
+                                                   json=dict(CHAT, logprobs=True, top_logprobs=2))).json())
+    r = await http.post("/v1/chat/completions", json=dict(CHAT, stream=True, ignore_eos=True,
+                                                          stream_options={"include_usage": True}))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert chunks and all(ChatCompletionChunk.model_validate(c) for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 3
 
@@ -93,11 +94,24 @@ def test_vllm_serve_command_line_parses_and_maps(caplog, monkeypatch):
     assert "--gpu-memory-utilization" in text and "chunked" in text and "--enforce-eager" not in text
 
 
-def test_cors_and_chat_template(server_factory):
-    s = server_factory(allowed_origins=["https://app.example"], chat_template="[{{ messages[-1].content }}]")
-    r = httpx.options(s.v1 + "/chat/completions", headers={
-        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "content-type"})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
-    tokens = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-    assert s.engine.tokenizer.decode(tokens) == "[hi]"
+async def test_cors_and_chat_template(make_http):
+    async with make_http(allowed_origins=["https://app.example"], chat_template="[{{ messages[-1].content }}]") as s:
+        r = await s.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = await s.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert s.ctx.tokenizer.decode(r.json()["tokens"]) == "[hi]"
+
+
+async def test_api_key(make_http):
+    async with make_http(api_key="sekret") as s:
+        r = await s.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert (await s.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
+        assert (await s.post("/tokenize", json={"prompt": "x"})).status_code == 401
+        assert (await s.get("/health")).status_code == 200  # probes need no key
+        assert (await s.get("/metrics")).status_code == 200
+        r = await s.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200

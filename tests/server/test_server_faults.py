@@ -73,7 +73,7 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(served):
     engine = served.engine
     idle_free = engine.block_manager.num_free_blocks
     assert idle_free == engine.block_manager.num_blocks
-    aborted = served.server.async_engine.num_aborted
+    aborted = served.server.client.num_aborted
     body = {"prompt": "Write a long essay about the sea. " * 20, "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     with httpx.Client(timeout=30) as http:
@@ -89,18 +89,18 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(served):
     # 1000 tokens would take far longer than this: the blocks come back because of the abort.
     assert served.wait_idle(timeout=10)
     assert engine.block_manager.num_free_blocks == idle_free
-    assert served.server.async_engine.num_aborted == aborted + 1
+    assert served.server.client.num_aborted == aborted + 1
     assert served.metric("carpool:num_requests_running") == 0
 
 
 def test_client_disconnect_while_waiting_for_a_full_response(served):
     engine = served.engine
-    aborted = served.server.async_engine.num_aborted
+    aborted = served.server.client.num_aborted
     start = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.v1 + "/completions", json={"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True},
                    timeout=1.0)
     assert served.wait_idle(timeout=10)
     assert time.monotonic() - start < 10
-    assert served.server.async_engine.num_aborted == aborted + 1
+    assert served.server.client.num_aborted == aborted + 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -1,12 +1,17 @@
 """Schema fuzzing: schemathesis generates requests from the server's own OpenAPI schema (valid
 ones, then invalid ones in its negative mode); none may get a 5xx, and afterwards the engine
-holds nothing: 0 running, 0 waiting, 0% of the KV cache in use. The default suite runs a
-bounded number of examples per operation; the slow suite many more.
+holds nothing: 0 running, 0 waiting, 0% of the KV cache in use. The default suite fuzzes the
+app over the scripted engine, in process, with a bounded number of examples per operation; the
+slow suite a real server as well, and many more examples.
 
 (schemathesis' pytest plugin does not run under pytest 9, so its Hypothesis strategies are
 driven directly.)"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -14,26 +19,52 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from carpool.server.app import BODY_MODELS
+from carpool.server.app import BODY_MODELS, create_app
+from carpool.server.options import ServerOptions
+from tests.server.scripted import MODEL_NAME, ScriptedEngine
 
 MAX_MODEL_LEN = 48  # bounds the work of any generated request: at most 4 choices x 48 tokens
 
 
-@pytest.fixture(scope="module")
-def fuzz_server(server_factory):
-    return server_factory({"max_model_len": MAX_MODEL_LEN}, max_choices_per_request=4)
+@dataclass
+class Target:
+    schema: Any
+    call: Callable  # a generated case -> its response
+    idle: Callable[[], bool]  # nothing running, waiting or held
+
+
+@pytest.fixture(scope="module", params=["scripted", pytest.param("real", marks=pytest.mark.slow)])
+def target(request, tokenizer, structured):
+    if request.param == "scripted":
+        engine = ScriptedEngine(tokenizer, structured, len(tokenizer), max_model_len=MAX_MODEL_LEN)
+        app = create_app(engine, ServerOptions(served_model_name=[MODEL_NAME], max_choices_per_request=4))
+        engine.start()  # what the lifespan does; the cases call the app without one
+        schema = schemathesis.openapi.from_dict(app.openapi())
+        schema.app = app  # (as openapi.from_asgi sets it, without running the lifespan to its end)
+        return Target(schema, lambda case: case.call(),
+                      lambda: engine.idle and engine.num_waiting == 0)
+    server = request.getfixturevalue("server_factory")({"max_model_len": MAX_MODEL_LEN}, max_choices_per_request=4)
+
+    def idle() -> bool:
+        return (server.wait_idle(timeout=30) and server.metric("carpool:num_requests_running") == 0
+                and server.metric("carpool:num_requests_waiting") == 0
+                and server.metric("carpool:kv_cache_usage_perc") == 0
+                and httpx.get(server.url + "/health").status_code == 200)
+
+    return Target(schemathesis.openapi.from_dict(httpx.get(server.url + "/openapi.json").json()),
+                  lambda case: case.call(base_url=server.url, timeout=120), idle)
 
 
 @pytest.fixture(scope="module")
-def api_schema(fuzz_server):
-    return schemathesis.openapi.from_dict(httpx.get(fuzz_server.url + "/openapi.json").json())
+def api_schema(target):
+    return target.schema
 
 
 def operations(api_schema) -> list:
     return [result.ok() for result in api_schema.get_all_operations()]
 
 
-def fuzz(api_schema, server, max_examples: int) -> int:
+def fuzz(api_schema, target: Target, max_examples: int) -> int:
     """Every operation, valid bodies and then invalid ones; returns the number of calls."""
     calls = 0
     for operation in operations(api_schema):
@@ -45,7 +76,7 @@ def fuzz(api_schema, server, max_examples: int) -> int:
             def run(case):
                 nonlocal calls
                 calls += 1
-                response = case.call(base_url=server.url, timeout=120)
+                response = target.call(case)
                 assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
                                                     response.text)
 
@@ -66,18 +97,14 @@ def test_schema_describes_the_request_bodies(api_schema):
         "GET /v1/models", "GET /health"}
 
 
-def test_no_server_error_for_any_generated_request(api_schema, fuzz_server):
-    assert fuzz(api_schema, fuzz_server, max_examples=10) > 50
+def test_no_server_error_for_any_generated_request(api_schema, target):
+    assert fuzz(api_schema, target, max_examples=10) > 50
 
 
 @pytest.mark.slow
-def test_no_server_error_long(api_schema, fuzz_server):
-    assert fuzz(api_schema, fuzz_server, max_examples=250) > 1000
+def test_no_server_error_long(api_schema, target):
+    assert fuzz(api_schema, target, max_examples=250) > 1000
 
 
-def test_after_fuzzing_nothing_is_held(fuzz_server):
-    assert fuzz_server.wait_idle(timeout=30)
-    assert fuzz_server.metric("carpool:num_requests_running") == 0
-    assert fuzz_server.metric("carpool:num_requests_waiting") == 0
-    assert fuzz_server.metric("carpool:kv_cache_usage_perc") == 0
-    assert httpx.get(fuzz_server.url + "/health").status_code == 200
+def test_after_fuzzing_nothing_is_held(target):
+    assert target.idle()

@@ -1,4 +1,6 @@
-"""Whatever one client sends, every other client keeps being served (issue 10's table, row by row)."""
+"""Whatever one client sends, every other client keeps being served: bad numbers, bodies and
+content types, slow readers, failing engines. What the server alone decides runs on the
+scripted engine (`http`, `make_http`); the engine's own faults on a real one."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import pytest
 
 from carpool.outputs import CompletionOutput, Logprob, RequestOutput
 from carpool.server.async_engine import AsyncLLMEngine, LoopWaker, RequestGroup
+from tests.server.scripted import serve
 
 MODEL_NAME = "smol"
+
+pytestmark = pytest.mark.anyio
 
 
 def post(served, path: str, body, **kwargs) -> httpx.Response:
@@ -21,6 +26,12 @@ def post(served, path: str, body, **kwargs) -> httpx.Response:
         body = json.dumps(body)
     headers = kwargs.pop("headers", {"Content-Type": "application/json"})
     return httpx.post(served.url + path, content=body, headers=headers, timeout=60, **kwargs)
+
+
+async def apost(http: httpx.AsyncClient, path: str, body, **kwargs) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body)
+    return await http.post(path, content=body, headers={"Content-Type": "application/json"}, **kwargs)
 
 
 def assert_400(r: httpx.Response, param: str) -> None:
@@ -42,56 +53,56 @@ def assert_400(r: httpx.Response, param: str) -> None:
     ('{"prompt": "Hi", "stop_token_ids": [49152]}', "stop_token_ids"),
     ('{"prompt": "Hi", "stop_token_ids": [-1]}', "stop_token_ids"),
 ])
-def test_bad_numbers_are_400_naming_the_field(served, raw, param):
-    assert_400(post(served, "/v1/completions", raw), param)
+async def test_bad_numbers_are_400_naming_the_field(http, raw, param):
+    assert_400(await apost(http, "/v1/completions", raw), param)
     chat = raw.replace('"prompt": "Hi"', '"messages": [{"role": "user", "content": "Hi"}]')
-    assert_400(post(served, "/v1/chat/completions", chat), param)
+    assert_400(await apost(http, "/v1/chat/completions", chat), param)
 
 
-def test_stop_strings_are_limited(served):
-    assert_400(post(served, "/v1/completions", {"prompt": "Hi", "stop": ["x" * 200] * 10_000}), "stop")
-    assert_400(post(served, "/v1/completions", {"prompt": "Hi", "stop": ["x" * 257]}), "stop")
-    assert_400(post(served, "/v1/completions", {"prompt": "Hi", "stop": "x" * 257}), "stop")
-    ok = post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["zz" * 128] * 32})
+async def test_stop_strings_are_limited(http):
+    assert_400(await apost(http, "/v1/completions", {"prompt": "Hi", "stop": ["x" * 200] * 10_000}), "stop")
+    assert_400(await apost(http, "/v1/completions", {"prompt": "Hi", "stop": ["x" * 257]}), "stop")
+    assert_400(await apost(http, "/v1/completions", {"prompt": "Hi", "stop": "x" * 257}), "stop")
+    ok = await apost(http, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["zz" * 128] * 32})
     assert ok.status_code == 200, ok.text
 
 
-def test_engine_requests_per_http_request_are_capped(server_factory):
-    s = server_factory(max_choices_per_request=4)
-    assert_400(post(s, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}), "n")
-    assert_400(post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 5}), "n")
-    r = post(s, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
-    assert r.status_code == 200 and len(r.json()["choices"]) == 4
-    assert s.wait_idle()
+async def test_engine_requests_per_http_request_are_capped(make_http):
+    async with make_http(max_choices_per_request=4) as http:
+        assert_400(await apost(http, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}), "n")
+        assert_400(await apost(http, "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "a"}], "n": 5}), "n")
+        r = await apost(http, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
 
 
 # ------------------------------------------------------------------ bodies
-def test_body_past_the_limit_is_413(served):
+async def test_body_past_the_limit_is_413(http):
     big = {"prompt": "word " * 700_000}  # ~3.5 MB
-    r = post(served, "/v1/completions", big)
+    r = await apost(http, "/v1/completions", big)
     assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body is larger")
 
-    def chunked():  # no Content-Length: counted as it arrives
+    async def chunked():  # no Content-Length: counted as it arrives
         for _ in range(40):
             yield b" " * 100_000
-    r = httpx.post(served.v1 + "/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    r = await http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
-def test_post_must_be_json(served, content_type):
+async def test_post_must_be_json(http, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
-    r = httpx.post(served.v1 + "/completions", content=b'{"prompt": "Hi"}', headers=headers)
+    r = await http.post("/v1/completions", content=b'{"prompt": "Hi"}', headers=headers)
     assert r.status_code == 415
-    ok = httpx.post(served.v1 + "/completions", content=b'{"prompt": "Hi", "max_tokens": 1}',
-                    headers={"Content-Type": "application/json; charset=utf-8"})
+    ok = await http.post("/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 1}',
+                         headers={"Content-Type": "application/json; charset=utf-8"})
     assert ok.status_code == 200
 
 
-def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
+async def test_tokenization_runs_off_the_event_loop(http, monkeypatch):
     """While one request's tokenisation is stuck, /health and other endpoints still answer."""
     release, entered = threading.Event(), threading.Event()
-    real = served.server.encode
+    real = http.ctx.encode
 
     def slow_encode(text, add_special_tokens=True):
         if text.startswith("SLOW"):
@@ -99,21 +110,17 @@ def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
             release.wait(30)
         return real(text, add_special_tokens)
 
-    monkeypatch.setattr(served.server, "encode", slow_encode)
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault(
-        "r", post(served, "/v1/completions", {"prompt": "SLOW hello", "max_tokens": 2})))
-    t.start()
+    monkeypatch.setattr(http.ctx, "encode", slow_encode)
+    stuck = asyncio.ensure_future(apost(http, "/v1/completions", {"prompt": "SLOW hello", "max_tokens": 2}))
     try:
-        assert entered.wait(30)
+        assert await asyncio.to_thread(entered.wait, 30)
         start = time.monotonic()
-        assert httpx.get(served.url + "/health", timeout=5).status_code == 200
-        assert httpx.get(served.v1 + "/models", timeout=5).status_code == 200
+        assert (await http.get("/health", timeout=5)).status_code == 200
+        assert (await http.get("/v1/models", timeout=5)).status_code == 200
         assert time.monotonic() - start < 5
     finally:
         release.set()
-        t.join(60)
-    assert result["r"].status_code == 200
+    assert (await stuck).status_code == 200
 
 
 # ------------------------------------------------------------------ slow readers
@@ -126,13 +133,13 @@ def _output(rid: str, new: list[int], finished: bool = False) -> RequestOutput:
 def test_a_reader_that_stops_reading_holds_merged_deltas_not_a_queue():
     async def main():
         loop = asyncio.get_running_loop()
-        group = RequestGroup(AsyncLLMEngine.__new__(AsyncLLMEngine), loop, LoopWaker(loop), ["a", "b"])
+        group = RequestGroup(AsyncLLMEngine.__new__(AsyncLLMEngine), loop, ["a", "b"], LoopWaker(loop))
         for step in range(1000):
-            group._deliver([(0, _output("a", [step])), (1, _output("b", [step, step]))])
+            group.deliver([(0, _output("a", [step])), (1, _output("b", [step, step]))])
         # Nothing was read: one merged delta per choice, whatever the number of steps.
         assert sorted(group._pending) == [0, 1]
         assert len(group._pending[0]._parts) == 1000  # pieces of one string, joined once when read
-        group._deliver([(0, _output("a", [7], finished=True)), (1, _output("b", [], finished=True))])
+        group.deliver([(0, _output("a", [7], finished=True)), (1, _output("b", [], finished=True))])
         got = [(i, d) async for i, d in group]
         assert [i for i, _ in got] == [0, 1]
         a, b = got[0][1], got[1][1]
@@ -146,12 +153,12 @@ def test_a_reader_that_stops_reading_holds_merged_deltas_not_a_queue():
 
 def test_a_slow_streaming_client_does_not_slow_or_lose_others(served):
     """A stream nobody reads, beside one that is read: the read one finishes in full."""
-    body = {"prompt": "Count: 1, 2,", "max_tokens": 64, "ignore_eos": True, "stream": True, "temperature": 0}
+    body = {"prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True, "stream": True, "temperature": 0}
     with httpx.Client(timeout=60) as slow_http, httpx.Client(timeout=60) as http:
         with slow_http.stream("POST", served.v1 + "/completions", json=body) as stalled:
             assert stalled.status_code == 200
             r = http.post(served.v1 + "/completions", json=dict(body, stream=False))
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
             # The stalled stream still has all its text, merged, when it reads at last.
             text = ""
             for line in stalled.iter_lines():
@@ -183,6 +190,7 @@ def test_add_request_failing_unexpectedly_fails_that_request_only(served, monkey
     assert httpx.get(served.url + "/health").status_code == 200
 
 
+@pytest.mark.slow  # the HTTP side of a dead engine: test_a_dead_engine_is_503_and_says_nothing_of_why
 def test_steps_failing_in_a_row_mark_the_engine_dead(server_factory, monkeypatch):
     s = server_factory()
     monkeypatch.setattr(s.engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("sticky")))
@@ -199,16 +207,36 @@ def test_steps_failing_in_a_row_mark_the_engine_dead(server_factory, monkeypatch
     assert s.engine.block_manager.num_free_blocks == s.engine.block_manager.num_blocks
 
 
+async def test_a_dead_engine_is_503_and_says_nothing_of_why(api, scripted):
+    stream = asyncio.ensure_future(api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1000,
+                                                                      "ignore_eos": True, "stream": True}))
+    whole = asyncio.ensure_future(api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1000,
+                                                                     "ignore_eos": True}))
+    while len(scripted.added) < 2:
+        await asyncio.sleep(0.001)
+    scripted.kill()
+    r = await whole
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+    r = await stream
+    error, done = r.text.split("\n\n")[-3:-1]
+    assert json.loads(error[6:])["error"]["code"] == "engine_dead" and done == "data: [DONE]"
+    r = await apost(api, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    health = await api.get("/health")
+    assert health.status_code == 503 and "the engine has stopped" in health.json()["error"]["message"]
+    assert "scripted death" not in r.text + health.text
+
+
 # ------------------------------------------------------------------ no internals in responses
-def test_models_reveal_no_local_path(served):
-    data = httpx.get(served.v1 + "/models").json()["data"]
+async def test_models_reveal_no_local_path(http):
+    data = (await http.get("/v1/models")).json()["data"]
     assert data[0]["root"] == MODEL_NAME
     assert "/" not in json.dumps(data).replace("\\/", "")
 
 
-def test_unexpected_errors_say_where_to_look_not_what_broke(served, monkeypatch, caplog):
-    monkeypatch.setattr(served.server, "check_model", lambda name: 1 / 0)
-    r = post(served, "/v1/completions", {"prompt": "Hi"})
+async def test_unexpected_errors_say_where_to_look_not_what_broke(http, monkeypatch, caplog):
+    monkeypatch.setattr(http.ctx, "check_model", lambda name: 1 / 0)
+    r = await apost(http, "/v1/completions", {"prompt": "Hi"})
     assert r.status_code == 500
     message = r.json()["error"]["message"]
     assert "ZeroDivision" not in message and "division" not in message and "error id" in message
@@ -216,9 +244,19 @@ def test_unexpected_errors_say_where_to_look_not_what_broke(served, monkeypatch,
     assert any(error_id in rec.getMessage() for rec in caplog.records)
 
 
+async def test_the_lifespan_stops_the_client_then_releases_its_engine(scripted, monkeypatch):
+    calls = []
+    monkeypatch.setattr(scripted, "stop", lambda timeout=10.0: calls.append("stop"))
+    monkeypatch.setattr(scripted, "shutdown", lambda: calls.append("shutdown"))
+    async with serve(scripted):
+        assert calls == []
+    assert calls == ["stop", "shutdown"]
+
+
+@pytest.mark.slow  # the lifespan's order: test_the_lifespan_stops_the_client_then_releases_its_engine
 def test_shutdown_stops_the_engine_workers(server_factory, monkeypatch):
     s = server_factory()
     calls = []
-    monkeypatch.setattr(s.engine, "shutdown", lambda: calls.append(s.server.async_engine.healthy))
+    monkeypatch.setattr(s.engine, "shutdown", lambda: calls.append(s.server.client.healthy))
     s.stop()
     assert calls == [False]  # once, after the engine loop had stopped

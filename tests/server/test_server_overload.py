@@ -74,7 +74,7 @@ def test_dead_engine_loop(limited, monkeypatch):
                                                 max_tokens=LONG["max_tokens"], extra_body={"ignore_eos": True}))
         next(stream)  # running
         waiting = pool.submit(httpx.post, url, json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
-        assert wait_for(lambda: limited.server.async_engine.num_waiting == 1)
+        assert wait_for(lambda: limited.server.client.num_waiting == 1)
 
         def boom():
             raise RuntimeError("scheduler exploded")
