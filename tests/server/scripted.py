@@ -175,6 +175,11 @@ class ScriptedEngine:
             if bad:
                 return RequestRejectedError(index, f"{name}: token ids {bad[:5]} are outside the vocabulary "
                                                    f"[0, {vocab})")
+        if params.structured_outputs is not None:
+            try:
+                self.structured.matcher(params.structured_outputs)
+            except ValueError as exc:
+                return RequestRejectedError(index, str(exc))
         return None
 
     def _logprobs(self, token: int, k: int | None) -> list[dict[int, Logprob]]:

@@ -1,6 +1,8 @@
 """`carpool serve`'s process layout: the engine in its own process, the frontend over a pipe.
 A killed engine process fails its in-flight requests with a clear error and turns /health 503;
-the frontend stays up to say so."""
+the frontend stays up to say so. Each of the real servers here is a process of its own (slow
+suite); the default suite's real `carpool serve` is test_server_sigterm.py's, which checks the
+two processes as well."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tests.server.serve_process import start_serve
 
 
 def engine_pid(frontend: subprocess.Popen) -> int:
+    """The engine process's pid (the frontend's one child besides multiprocessing's resource tracker)."""
     engines = [c for c in psutil.Process(frontend.pid).children() if "spawn_main" in " ".join(c.cmdline())]
     assert len(engines) == 1, engines  # beside it only multiprocessing's resource tracker
     return engines[0].pid
@@ -36,6 +39,7 @@ def server():
         p.wait()
 
 
+@pytest.mark.slow  # also checked on test_server_sigterm.py's server
 def test_two_processes_and_the_engine_process_ends_with_the_frontend(server):
     p, url = server
     pid = engine_pid(p)
@@ -48,6 +52,7 @@ def test_two_processes_and_the_engine_process_ends_with_the_frontend(server):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow  # the answers to a dead engine: test_server_hardening.py, on the scripted engine
 def test_killed_engine_process_fails_in_flight_requests_and_health_turns_503(server):
     p, url = server
     chunks: list[dict] = []
@@ -107,6 +112,7 @@ def test_cpu_plan_binds_only_an_engine_that_takes_every_core():
     assert plan_cpus(EngineConfig(model="m", num_threads=len(cpus), tensor_parallel_size=2), environ={}) == ({}, None)
 
 
+@pytest.mark.slow  # the plan: test_cpu_plan_binds_only_an_engine_that_takes_every_core
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores")
 def test_an_engine_on_every_core_is_bound_one_thread_per_core_and_the_frontend_beside_its_last():
     cpus = sorted(os.sched_getaffinity(0))

@@ -1,7 +1,10 @@
-"""Faults that the server survives: a failing step, clients that vanish mid-request."""
+"""Faults that the server survives: a request failing while it generates (its error body and
+stream event, on the scripted engine), and on the real engine a failing step and clients that
+vanish mid-request (their KV blocks come back)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -9,6 +12,26 @@ import openai
 import pytest
 
 MODEL_NAME = "smol"
+
+
+@pytest.mark.anyio
+async def test_a_failed_request_is_a_500_naming_the_request_not_the_fault(api, scripted):
+    scripted.fail_after = (3, "RuntimeError: injected fault")
+    r = await api.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "n": 2})
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["code"] == "engine_error" and error["type"] == "server_error"
+    assert "injected" not in error["message"] and "RuntimeError" not in error["message"]
+    request_id = error["message"].rsplit("request id ", 1)[1].rstrip(")")
+    assert request_id.startswith("cmpl-")
+    r = await api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Tell me a story"}],
+                                                      "max_tokens": 50, "stream": True})
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) == 1 + 3 + 2  # role, 3 tokens
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == "engine_error" and "the engine failed while generating this request" in error["message"]
+    scripted.fail_after = None
+    r = await api.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 4 and (await api.get("/health")).status_code == 200
 
 
 @pytest.fixture
@@ -50,6 +73,7 @@ def test_step_exception_fails_the_batch_with_500_and_server_goes_on(served, clie
     assert httpx.get(served.url + "/health").status_code == 200
 
 
+@pytest.mark.slow  # the event's shape: test_a_failed_request_is_a_500_naming_the_request_not_the_fault
 def test_step_exception_mid_stream_sends_an_error_event(served, client, monkeypatch):
     stream = client.chat.completions.create(model=MODEL_NAME, stream=True, max_tokens=50,
                                             messages=[{"role": "user", "content": "Tell me a story"}],

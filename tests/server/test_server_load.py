@@ -1,25 +1,72 @@
-"""Bounded load on loopback: 64 concurrent streaming clients with mixed prompt and output
-lengths all finish with exactly the tokens they asked for, and the KV cache empties again."""
+"""Bounded load: 64 concurrent streaming clients with mixed prompt and output lengths all
+finish with exactly the tokens they asked for: on the scripted engine in process, and (slow
+suite) on loopback to a real engine, whose KV cache empties again."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
 import openai
+import pytest
 
 MODEL_NAME = "smol"
 NUM_CLIENTS = 64
 WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch the moon rise".split()
 
 
-def test_64_concurrent_streams(served):
+def make_jobs() -> list[tuple[str, int, bool]]:
     rng = random.Random(0)
     jobs = []
     for i in range(NUM_CLIENTS):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
         jobs.append((prompt, rng.randint(2, 20), i % 4 == 0))  # every 4th is a chat stream
+    return jobs
+
+
+@pytest.mark.anyio
+async def test_64_concurrent_streams_scripted(api, scripted):
+    """Streams interleave on the event loop (a token per step each); each gets exactly its own."""
+    jobs = make_jobs()
+
+    async def one(seed: int, prompt: str, max_tokens: int, chat: bool) -> tuple[int, list, dict, str]:
+        body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": True, "seed": seed}  # the seed tells the engine requests apart
+        if chat:
+            r = await api.post("/v1/chat/completions", json={
+                **body, "messages": [{"role": "user", "content": prompt}], "logprobs": True})
+        else:
+            r = await api.post("/v1/completions", json={**body, "prompt": prompt, "logprobs": 0})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        streamed, finish, text = 0, [], ""
+        for c in chunks[:-1]:
+            [choice] = c["choices"]
+            if chat:
+                streamed += len(choice["logprobs"]["content"]) if choice["logprobs"] else 0
+                text += choice["delta"].get("content", "")
+            else:
+                streamed += len(choice["logprobs"]["tokens"])
+                text += choice["text"]
+            if choice["finish_reason"]:
+                finish.append(choice["finish_reason"])
+        return streamed, finish, chunks[-1]["usage"], text
+
+    results = await asyncio.gather(*(one(seed, *job) for seed, job in enumerate(jobs)))
+    by_seed = {sp.seed: (prompt, sp) for prompt, sp in scripted.added}
+    for seed, (streamed, finish, usage, text) in enumerate(results):
+        max_tokens = jobs[seed][1]
+        assert streamed == max_tokens and finish == ["length"] and usage["completion_tokens"] == max_tokens
+        ids, sp = by_seed[seed]
+        assert usage["prompt_tokens"] == len(ids)
+        assert text == scripted.info.tokenizer.decode(scripted.tokens(ids, sp))
+    assert scripted.idle
+
+
+@pytest.mark.slow  # the HTTP side: test_64_concurrent_streams_scripted
+def test_64_concurrent_streams(served):
+    jobs = make_jobs()
     prompt_lens = {}
     for prompt, _, chat in jobs:
         body = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}

@@ -1,12 +1,17 @@
-"""ServerMetrics from fake engine state: no model needed."""
+"""ServerMetrics from fake engine state: no model needed. The exposition is read back with
+prometheus_client's own parser."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from carpool.engine import IterationStats
 from carpool.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from carpool.server.metrics import MIN_HISTORY, STALL_FACTOR, ServerMetrics, StatsLog
+from tests.server.conftest import metric_sample
 
 
 def fake_engine(running=0, waiting=0, preemptions=0, usage=0.0, queries=0, hits=0):
@@ -79,8 +84,23 @@ def test_abort_counts():
     m = ServerMetrics("m", 2048)
     m.on_abort(fake_engine(), 2)
     assert sample(m, "carpool:request_success_total", finished_reason="abort") == 2
-    text = m.render()[0].decode()
-    assert "carpool:generation_stalls_total" in text and "_created" not in text
+    families = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
+    assert families["carpool:generation_stalls"].type == "counter"
+    assert [s.value for s in families["carpool:generation_stalls"].samples] == [0.0]
+    assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")]
+
+
+@pytest.mark.anyio
+async def test_the_exposition_over_http(api):
+    r = await api.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    kinds = {"carpool:num_requests_running": "gauge", "carpool:kv_cache_usage_perc": "gauge",
+             "carpool:generation_tokens": "counter", "carpool:request_success": "counter",
+             "carpool:time_to_first_token_seconds": "histogram", "carpool:cache_config_info": "gauge"}
+    assert {name: families[name].type for name in kinds} == kinds
+    assert metric_sample(r.text, "carpool:request_success_total", finished_reason="length") == 0
+    assert metric_sample(r.text, "carpool:time_to_first_token_seconds_bucket", le="+Inf") == 0
 
 
 def test_a_stats_line_every_interval_while_busy(caplog):

@@ -1,8 +1,11 @@
-"""A server with one running slot and --max-waiting-requests 1: overload answers 503 at once,
-and a dead engine loop turns /health to 503 (this module's server ends dead, so it is its own)."""
+"""--max-waiting-requests: overload answers 503 at once, with Retry-After (on the scripted
+engine, whose requests wait while it is paused). On a real server with one running slot (slow
+suite): the same, and a dead engine loop turning /health to 503 (that server ends dead, so it is
+its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,8 +13,30 @@ import httpx
 import openai
 import pytest
 
+from tests.server.scripted import serve
+
 MODEL_NAME = "smol"
 LONG = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.mark.anyio
+async def test_overload_gets_503_with_retry_after_scripted(scripted):
+    scripted.max_waiting_requests = 1
+    scripted.paused = True  # nothing runs: every request accepted waits
+    async with serve(scripted) as http:
+        waiting = asyncio.ensure_future(http.post("/v1/completions", json={**LONG, "stream": True}))
+        while scripted.num_waiting < 1:
+            await asyncio.sleep(0.001)
+        for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True})):
+            r = await http.post(path, json=body)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "overloaded" and "--max-waiting-requests 1" in r.json()["error"]["message"]
+        assert len(scripted.added) == 1  # the refused ones never reached the engine
+        scripted.paused = False
+        assert (await waiting).status_code == 200
+        r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +63,7 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # the answer's shape: test_overload_gets_503_with_retry_after_scripted
 def test_overload_gets_503_with_retry_after_immediately(limited):
     url = limited.v1 + "/completions"
     with httpx.Client(timeout=30) as a_http, httpx.Client(timeout=30) as b_http:
@@ -65,6 +91,7 @@ def test_overload_gets_503_with_retry_after_immediately(limited):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow  # the loop's death: test_async_engine.py; its answers: test_server_hardening.py
 def test_dead_engine_loop(limited, monkeypatch):
     url = limited.v1 + "/completions"
     client = openai.OpenAI(base_url=limited.v1, api_key="x", max_retries=0, timeout=30)

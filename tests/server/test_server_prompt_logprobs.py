@@ -26,6 +26,7 @@ def reference_logprobs(hf_model, ids: list[int]) -> list[float]:
     return logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
+@pytest.mark.slow  # loads transformers' model; tests/test_prompt_logprobs.py compares the engine's own
 def test_echo_logprobs_score_the_prompt_as_transformers_does(client, served, hf_model):
     ids = served.engine.tokenizer.encode(CONTEXT + CONTINUATION)
     out = client.completions.create(model=served.model_name, prompt=CONTEXT + CONTINUATION, max_tokens=1,

@@ -1,4 +1,5 @@
-"""`carpool serve` as a real process: CLI flags, --api-key, and graceful SIGTERM."""
+"""`carpool serve` as a real process: CLI flags, --api-key, the engine in a process of its own
+(its metrics served by the frontend), and graceful SIGTERM, after which both processes are gone."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
+from tests.server.conftest import metric_sample
 from tests.server.serve_process import start_serve
+from tests.server.test_engine_process import engine_pid
 
 KEY = "sekret"
 SHUTDOWN_TIMEOUT = 4.0
@@ -47,6 +51,8 @@ def test_api_key(proc):
     assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
     out = client.completions.create(model="alias", prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
     assert out.model == "tiny" and out.usage.completion_tokens == 3
+    # recorded in the engine process, served by the frontend
+    assert metric_sample(httpx.get(url + "/metrics").text, "carpool:generation_tokens_total") >= 3
 
 
 class StreamReader(threading.Thread):
@@ -79,6 +85,7 @@ class StreamReader(threading.Thread):
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(proc):
     p, url = proc
+    engine = engine_pid(p)
     short, long = StreamReader(url, 12), StreamReader(url, 1000)
     short.start()
     long.start()
@@ -94,6 +101,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(proc):
     assert short.chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert short.chunks[-1]["usage"]["completion_tokens"] == 12  # finished in full
     assert p.wait(timeout=60) == 0
+    assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
     elapsed = time.monotonic() - t0
     assert elapsed < SHUTDOWN_TIMEOUT + 10
     long.join(10)

@@ -1,6 +1,9 @@
 """Structured outputs over HTTP with the official openai client: response_format (json_schema
 via `chat.completions.parse`, json_object), vLLM's structured_outputs and guided_* fields,
-streaming, and a bad schema as a 400 naming the field it came in."""
+streaming, and a bad schema as a 400 naming the field it came in.
+
+Which constraint each field becomes, and the answers' shapes, are checked on the scripted
+engine; that the real model's output follows the constraint, on the real engine."""
 
 from __future__ import annotations
 
@@ -14,9 +17,13 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from carpool.sampling_params import StructuredOutputsParams
+from carpool.structured.masks import GRAMMAR_REFUSED
 from tests.server.conftest import MODEL_NAME
 
 MAX_TOKENS = 80
+
+pytestmark = pytest.mark.anyio
 
 
 class City(BaseModel):
@@ -35,6 +42,86 @@ def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+@pytest.fixture
+def scripted_client(api):
+    return openai.AsyncOpenAI(base_url="http://scripted/v1", api_key="unused", max_retries=0, http_client=api)
+
+
+# ------------------------------------------------------------------ on the scripted engine
+PARIS = City(name="Paris", country="France", population_millions=2, kind="capital")
+
+
+async def test_parse_with_a_pydantic_model_scripted(scripted_client, scripted):
+    scripted.reply = lambda prompt, params: PARIS.model_dump_json()
+    completion = await scripted_client.chat.completions.parse(
+        model=MODEL_NAME, messages=ask("Tell me about Paris as JSON."), response_format=City, max_tokens=MAX_TOKENS)
+    assert completion.choices[0].finish_reason == "stop" and completion.choices[0].message.parsed == PARIS
+    schema = scripted.added[0][1].structured_outputs.json
+    assert set(schema["properties"]) == set(City.model_fields) and schema["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": City.model_json_schema()}}},
+     StructuredOutputsParams(json=City.model_json_schema())),
+    ({"guided_choice": ["positive", "negative"]}, StructuredOutputsParams(choice=["positive", "negative"])),
+    ({"guided_regex": r"\d{3}-\d{4}"}, StructuredOutputsParams(regex=r"\d{3}-\d{4}")),
+    ({"structured_outputs": {"choice": ["red", "green"]}}, StructuredOutputsParams(choice=["red", "green"])),
+    ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
+     StructuredOutputsParams(grammar='root ::= "yes" | "no"')),
+    ({"guided_json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
+])
+async def test_each_field_becomes_its_constraint(api, scripted, body, expected):
+    for path, base in (("/v1/chat/completions", {"messages": ask("hi")}), ("/v1/completions", {"prompt": "hi"})):
+        r = await api.post(path, json={**base, **body, "max_tokens": 4, "n": 2})
+        assert r.status_code == 200, r.text
+    assert [sp.structured_outputs for _, sp in scripted.added] == [expected] * 4
+
+
+async def test_json_object_streamed_like_the_whole_answer_scripted(api, scripted):
+    scripted.reply = lambda prompt, params: '{"capital": "Paris"}'
+    body = {"messages": ask("Capital of France? JSON."), "response_format": {"type": "json_object"},
+            "max_tokens": MAX_TOKENS}
+    whole = (await api.post("/v1/chat/completions", json=body)).json()
+    assert json.loads(whole["choices"][0]["message"]["content"]) == {"capital": "Paris"}
+    r = await api.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_bad_schema_via_the_client_scripted(scripted_client):
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        await scripted_client.chat.completions.create(
+            model=MODEL_NAME, messages=ask("hi"), max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refused_token_is_a_400_naming_the_constraint(api, scripted, stream):
+    scripted.fail_after = (2, f"{GRAMMAR_REFUSED} 123: no path\nmore detail")
+    body = {"messages": ask("hi"), "guided_choice": ["zzzz"], "max_tokens": 8, "stream": stream}
+    r = await api.post("/v1/chat/completions", json=body)
+    if stream:
+        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert len(lines) == 5  # the role, two tokens, the error, [DONE]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["code"] == "constraint_failed" and error["param"] == "structured_outputs"
+    assert error["message"] == f"{GRAMMAR_REFUSED} 123: no path (the constraint could not be followed)"
+    scripted.fail_after = None
+    ok = await api.post("/v1/chat/completions", json={**body, "stream": False})
+    assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------ on the real engine
+
+
+@pytest.mark.slow  # which constraint, and the shapes: the scripted tests
 def test_parse_with_a_pydantic_model(client):
     completion = client.chat.completions.parse(
         model=MODEL_NAME, messages=ask("Tell me about Paris as JSON."), response_format=City,
@@ -56,6 +143,7 @@ def test_json_object_and_streaming_match(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+@pytest.mark.slow  # which constraint, and the shapes: the scripted tests
 def test_completions_json_schema_response_format(client):
     schema = City.model_json_schema()
     out = client.completions.create(
@@ -73,6 +161,7 @@ def test_completions_json_schema_response_format(client):
     ({"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
      lambda t: isinstance(json.loads(t)["ok"], bool)),
 ])
+@pytest.mark.slow  # which constraint, and the shapes: the scripted tests
 def test_vllm_fields(client, extra, check):
     out = client.chat.completions.create(model=MODEL_NAME, messages=ask("I love this movie! Sentiment?"),
                                          max_tokens=MAX_TOKENS, temperature=0, n=2, extra_body=extra)
@@ -80,6 +169,7 @@ def test_vllm_fields(client, extra, check):
         assert choice.finish_reason == "stop" and check(choice.message.content), choice.message.content
 
 
+@pytest.mark.slow  # which constraint, and the shapes: the scripted tests
 def test_streamed_completion_follows_the_regex(client):
     stream = client.completions.create(model=MODEL_NAME, prompt="Call me at", max_tokens=MAX_TOKENS,
                                        temperature=0, stream=True, extra_body={"guided_regex": r" \(\d{3}\) \d{4}"})
@@ -98,15 +188,15 @@ def test_streamed_completion_follows_the_regex(client):
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "only one"),
 ])
-def test_bad_constraints_are_400s_naming_the_field(served, body, param, words):
-    for path, base in (("/chat/completions", {"messages": ask("hi")}), ("/completions", {"prompt": "hi"})):
-        r = httpx.post(served.v1 + path, json={"model": MODEL_NAME, **base, **body}, timeout=30)
+async def test_bad_constraints_are_400s_naming_the_field(http, body, param, words):
+    for path, base in (("/v1/chat/completions", {"messages": ask("hi")}), ("/v1/completions", {"prompt": "hi"})):
+        r = await http.post(path, json={"model": MODEL_NAME, **base, **body})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and words in error["message"], error
-    assert served.wait_idle()
 
 
+@pytest.mark.slow  # which constraint, and the shapes: the scripted tests
 def test_bad_schema_via_the_client(client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(

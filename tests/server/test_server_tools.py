@@ -1,9 +1,12 @@
-"""Tool calling on /v1/chat/completions, through the official `openai` client.
+"""Tool calling on /v1/chat/completions.
 
-The embedded 135M model does not call tools by itself, so calls come from tool_choice "required"
-and named functions, whose output is decoded under the call's JSON schema; the parsing of free
-text ("auto") is checked against the same model's raw text, and tests/tools/ check the parser on
-crafted text."""
+The response shapes (a call whole and streamed, its id, name and arguments, finish_reason
+"tool_calls", content beside a call) are checked on the scripted engine, which writes the call's
+text as a model would. On the real engine (the slow suite), through the official `openai`
+client: the embedded 135M model does not call tools by itself, so calls come from tool_choice
+"required" and named functions, whose output is decoded under the call's JSON schema; the
+parsing of free text ("auto") is checked against the same model's raw text, and tests/tools/
+check the parser on crafted text."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from carpool.server.chat import AUTO_NEEDS_FLAGS
 from carpool.tools import HermesToolParser
+from carpool.tools.forced import named_schema, required_schema
+from tests.server.scripted import serve
 from tests.tools.templates import TOOLS_TEMPLATE
 
 CITIES = ["Paris", "Rome", "Tokyo"]
@@ -31,11 +36,20 @@ TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Tokyo?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 GREEDY = dict(temperature=0, max_tokens=40)
+TOOL_OPTIONS = dict(enable_auto_tool_choice=True, tool_call_parser="hermes", chat_template=TOOLS_TEMPLATE)
+HERMES_CALL = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+
+pytestmark = pytest.mark.anyio
+
+
+def stream_chunks(r: httpx.Response) -> list[ChatCompletionChunk]:
+    return [ChatCompletionChunk.model_validate_json(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: {")]
 
 
 @pytest.fixture(scope="module")
 def tool_server(server_factory):
-    return server_factory(enable_auto_tool_choice=True, tool_call_parser="hermes", chat_template=TOOLS_TEMPLATE)
+    return server_factory(**TOOL_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +99,108 @@ def assemble(chunks: list[ChatCompletionChunk]) -> tuple[str, list[dict], str | 
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]}, "messages"),
 ])
-def test_bad_tools_are_refused_naming_the_field(served, body, param):
-    r = post(served, **body)
+async def test_bad_tools_are_refused_naming_the_field(http, body, param):
+    r = await http.post("/v1/chat/completions", json={"messages": ASK, **GREEDY, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_auto_needs_the_server_flags(served):
+async def test_auto_needs_the_server_flags(http):
     for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):  # "auto" is the default with tools
-        r = post(served, **body)
+        r = await http.post("/v1/chat/completions", json={"messages": ASK, **GREEDY, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert r.json()["error"]["message"] == AUTO_NEEDS_FLAGS
-    r = post(served, tools=TOOLS, tool_choice="none", max_tokens=3)  # tools shown to the model, nothing parsed
+    # tools shown to the model, nothing parsed
+    r = await http.post("/v1/chat/completions", json={"messages": ASK, **GREEDY, "tools": TOOLS,
+                                                      "tool_choice": "none", "max_tokens": 3})
     assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
 
 
+# ------------------------------------------------------------------ shapes, on the scripted engine
+async def ask_scripted(http, reply: str, **body) -> tuple[ChatCompletion, list[ChatCompletionChunk]]:
+    """The whole answer and the streamed one, to a model that writes `reply`."""
+    http.scripted.reply = lambda prompt, params: reply
+    whole = await http.post("/v1/chat/completions", json={"messages": ASK, **GREEDY, **body})
+    assert whole.status_code == 200, whole.text
+    streamed = await http.post("/v1/chat/completions", json={"messages": ASK, **GREEDY, **body, "stream": True})
+    return ChatCompletion.model_validate(whole.json()), stream_chunks(streamed)
+
+
+@pytest.fixture
+async def tools_http(scripted, anyio_backend):
+    async with serve(scripted, **TOOL_OPTIONS) as http:
+        http.scripted = scripted
+        yield http
+
+
+async def test_named_function_call_shape(tools_http):
+    body, chunks = await ask_scripted(tools_http, '{"city": "Tokyo"}', tools=TOOLS, tool_choice=NAMED)
+    assert tools_http.scripted.added[0][1].structured_outputs.json == named_schema(TOOLS, "get_weather")
+    choice = body.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Tokyo"})
+    content, calls, finish = assemble(chunks)  # its name first, then the arguments in pieces
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
+
+
+async def test_required_call_shape(tools_http):
+    reply = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}},
+                        {"name": "get_time", "parameters": {"zone": "UTC"}}])
+    body, chunks = await ask_scripted(tools_http, reply, tools=TOOLS, tool_choice="required")
+    assert tools_http.scripted.added[0][1].structured_outputs.json == required_schema(TOOLS)
+    choice = body.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    _, calls, finish = assemble(chunks)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                            for c in choice.message.tool_calls]
+    await ask_scripted(tools_http, reply, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert tools_http.scripted.added[-1][1].structured_outputs.json == required_schema(TOOLS, parallel=False)
+
+
+async def test_auto_call_shape_whole_and_streamed(tools_http):
+    body, chunks = await ask_scripted(tools_http, HERMES_CALL, tools=TOOLS, max_tokens=64)
+    assert tools_http.scripted.added[0][1].structured_outputs is None  # "auto" decodes freely
+    message = body.choices[0].message
+    assert body.choices[0].finish_reason == "tool_calls" and message.content == "Checking.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Tokyo"})]
+    content, calls, finish = assemble(chunks)
+    assert (content, finish) == ("Checking.\n", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                            for c in message.tool_calls]
+    plain, _ = await ask_scripted(tools_http, "Sunny.", tools=TOOLS, tool_choice="auto")
+    assert plain.choices[0].message.content == "Sunny." and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"
+
+
+async def test_multi_turn_prompt(tools_http):
+    """The assistant's calls and the tool's result go back through the template."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
+    history = ASK + [{"role": "assistant", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    tools_http.scripted.reply = lambda prompt, params: "It is sunny."
+    final = (await tools_http.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS,
+                                                                  "tool_choice": "auto", "max_tokens": 8})).json()
+    assert final["choices"][0]["message"]["content"] == "It is sunny."
+    ids = (await tools_http.post("/tokenize", json={"messages": history, "tools": TOOLS})).json()["tokens"]
+    assert final["usage"]["prompt_tokens"] == len(ids) and tools_http.scripted.added[0][0] == ids
+    prompt = (await tools_http.post("/detokenize", json={"tokens": ids})).json()["prompt"]
+    assert json.dumps(TIME) in prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Tokyo"}}' in prompt
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+
+
+# ------------------------------------------------------------------ the real model's calls
+
+
+@pytest.mark.slow  # the shapes: the scripted tests above
 def test_named_function_is_called(tool_server, client):
     r = post(tool_server, tools=TOOLS, tool_choice=NAMED)
     body = ChatCompletion.model_validate(r.json())
@@ -118,6 +220,7 @@ def test_named_function_is_called(tool_server, client):
     assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
 
 
+@pytest.mark.slow  # the shapes: the scripted tests above
 def test_required_makes_at_least_one_call(tool_server, client):
     made = {}
     for parallel in (True, False):
@@ -137,6 +240,7 @@ def test_required_makes_at_least_one_call(tool_server, client):
                                                                for c in made[True]]
 
 
+@pytest.mark.slow  # the shapes: the scripted tests above
 def test_auto_parses_the_models_own_text(tool_server, client):
     """With "none" the text comes back as written; with "auto" it is that text, parsed."""
     def ask(choice, stream=False):
@@ -154,6 +258,7 @@ def test_auto_parses_the_models_own_text(tool_server, client):
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in expected.tool_calls]
 
 
+@pytest.mark.slow  # the shapes: the scripted tests above
 def test_auto_call_streams_like_the_whole_answer(tool_server, client):
     """A model that writes a Hermes call (held to that text by a regex constraint): the server
     parses it out, whole and streamed alike, and the text before it stays content."""
@@ -178,6 +283,7 @@ def test_auto_call_streams_like_the_whole_answer(tool_server, client):
                                                             for c in message.tool_calls]
 
 
+@pytest.mark.slow  # the shapes: the scripted tests above
 def test_multi_turn_exchange(tool_server, client):
     """A call, its result, then the final answer: the assistant's calls and the tool's result go
     back through the template."""
