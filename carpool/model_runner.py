@@ -1,4 +1,9 @@
-"""Turn a scheduled batch into tensors, run the model once over all its tokens, return logits."""
+"""Turn a scheduled batch into tensors, run the model once over all its tokens, return logits.
+
+The runner also decides how each step runs the layers (model/paths.py): the fused C call for
+small steps, the compiled layers for large ones, the model's eager forward otherwise. The model
+itself is plain: it knows no paths.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ import torch
 from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
-from carpool.model.attention import AttentionMetadata, PrefillChunk, query_runs
-from carpool.model.compiled import can_compile, compile_model, uncompile_model, warm_up_sizes
+from carpool.model.attention import AttendFn, AttentionMetadata, PrefillChunk, paged_attention, query_runs
+from carpool.model.compiled import CompiledLayers, can_compile, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
+from carpool.model.paths import Path, choose_path
 from carpool.model.quant import choose_kernels
 
 log = logging.getLogger("carpool")
@@ -72,21 +78,26 @@ class ModelRunner:
         self.kv_cache = torch.empty(model.num_local_layers, 2, (num_blocks + 1) * block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
-        self.compiled = not enforce_eager and can_compile(model) and self.compile_forward()
+        # The other paths through the layers (model/paths.py), built once the weights are final;
+        # None where they do not apply.
+        self.compiled: CompiledLayers | None = None
+        self.fused: FusedLayers | None = None
+        if not enforce_eager and can_compile(model):
+            self.compile_forward()
         if self.decode_kernel:
-            model.fused_layers = FusedLayers.build(model)
+            self.fused = FusedLayers.build(model)
 
     def compile_forward(self) -> bool:
-        """Compile the model (model/compiled.py) and run one step of each warm-up size, so no
-        request waits for a compilation; on failure put the model back to eager."""
+        """Compile the layers (model/compiled.py) and run one step of each warm-up size, so no
+        request waits for a compilation; on failure run eager."""
         start = time.perf_counter()
-        compile_model(self.model)
+        self.compiled = CompiledLayers(self.model)
         sizes = warm_up_sizes(self.model)
         try:
             for n in sizes:
                 self.warm_up_step(n)
         except Exception as e:  # noqa: BLE001 -- any compiler failure leaves a working eager model
-            uncompile_model(self.model)
+            self.compiled = None
             log.warning("torch.compile failed, running eager: %s: %s", type(e).__name__, str(e).splitlines()[0])
             return False
         finally:
@@ -104,7 +115,7 @@ class ModelRunner:
         input_ids, positions, meta = self.tensors(plan)
         hidden = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.kv_cache.dtype,
                              device=self.device)
-        self.model(input_ids, positions, self.kv_cache, meta, hidden)
+        self.forward(input_ids, positions, meta, hidden)
 
     def slots_for(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
@@ -179,8 +190,7 @@ class ModelRunner:
             decode_mask=mask,
             prefills=prefills,
         )
-        fused = self.model.fused_layers
-        if plan.prefills and fused is not None and plan.num_tokens <= fused.max_tokens:
+        if plan.prefills and self.fused is not None and plan.num_tokens <= self.fused.max_tokens:
             meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.from_numpy(plan.positions).to(dev)
@@ -200,7 +210,7 @@ class ModelRunner:
         self.clear_fresh_tails(plan)
         input_ids, positions, meta = self.tensors(plan)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.forward(input_ids, positions, meta)
         logits = self.logits(hidden, plan)
         self.last_forward_seconds = time.perf_counter() - start  # model + LM head, for the profiler
         return logits
@@ -212,10 +222,31 @@ class ModelRunner:
         so None on ranks other than the first)."""
         self.clear_fresh_tails(plan)
         input_ids, positions, meta = self.tensors(plan)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, hidden)
+        hidden = self.forward(input_ids, positions, meta, hidden)
         if not self.model.is_last:
             return hidden
         return self.logits(hidden, plan)
+
+    def path(self, num_tokens: int, meta: AttentionMetadata, attention: AttendFn | None = None) -> Path:
+        """How a step runs the layers (model/paths.py). The fused call attends with its own C
+        kernel, so a step with a stand-in `attention` never takes it."""
+        fused = self.fused
+        fits = fused is not None and attention is None and fused.can_attend(meta, num_tokens)
+        return choose_path(num_tokens, fused.max_tokens if fits else 0, self.compiled is not None)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None, attention: AttendFn | None = None) -> torch.Tensor:
+        """Hidden states after this rank's layers (normed on the last stage), down the step's
+        path. `attention` stands in for paged attention on every layer (the profiler's timing
+        hook: the linear part of a step alone); None runs the real kernel."""
+        path = self.path(len(positions), meta, attention)
+        attend = paged_attention if attention is None else attention
+        if path is Path.EAGER:
+            return self.model(input_ids, positions, self.kv_cache, meta, hidden, attend)
+        x, cos, sin = self.model.layer_inputs(input_ids, positions, hidden)
+        if path is Path.FUSED:
+            return self.fused(x, cos, sin, self.kv_cache, meta)
+        return self.compiled(x, cos, sin, self.kv_cache, meta, attend)
 
     def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         rows = plan.logit_rows

@@ -1,4 +1,5 @@
-"""The runner reads only KV it wrote: NaN in every not-yet-written block changes no output.
+"""The runner picks each step's path by its token count; and it reads only KV it wrote: NaN in
+every not-yet-written block changes no output.
 
 The cache is allocated uninitialised and freed blocks keep old KV; attention reads whole blocks
 (masked), so a slot read before it is written is harmless only while it holds something finite
@@ -12,10 +13,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS, Path, choose_path
 from carpool.model_runner import ModelRunner
 from carpool.sampling_params import SamplingParams
 from tests.conftest import PROMPTS
 from tests.helpers import nan_in_unwritten_blocks, run_greedy, scheduler_config
+
+
+def test_paths_by_token_count():
+    """Fused up to FUSED_MAX_TOKENS, compiled from COMPILE_MIN_TOKENS, eager where the faster
+    path is missing (or the fused one cannot attend the step: fused_max_tokens 0)."""
+    assert FUSED_MAX_TOKENS == COMPILE_MIN_TOKENS - 1  # no size falls between the two
+    for n in (1, 8, FUSED_MAX_TOKENS):
+        assert choose_path(n, FUSED_MAX_TOKENS, compiled=True) is Path.FUSED
+        assert choose_path(n, 0, compiled=True) is Path.EAGER
+    for n in (COMPILE_MIN_TOKENS, 512):
+        assert choose_path(n, FUSED_MAX_TOKENS, compiled=True) is Path.COMPILED
+        assert choose_path(n, FUSED_MAX_TOKENS, compiled=False) is Path.EAGER
+    assert choose_path(9, 8, compiled=True) is Path.EAGER  # a fused path built for smaller steps
 
 
 @pytest.fixture(scope="module")

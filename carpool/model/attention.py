@@ -18,6 +18,7 @@ every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,12 @@ class AttentionMetadata:
     # The whole step as query runs, for the fused layers (model/fused_layers.py); None where the
     # runner did not build them (decode-only steps need none, nor steps the fused path skips).
     runs: QueryRuns | None = None
+
+
+# An attention kernel: (q, k, v, one layer's cache, metadata, scale) -> [T, heads, D]. The model
+# runs `paged_attention`; the profiler (sim/profile.py) passes a stand-in to time the rest.
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+                    torch.Tensor]
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

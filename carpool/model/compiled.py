@@ -7,18 +7,15 @@ Inductor's C++/OpenMP backend fuses the code between the matmuls into a few loop
 + residual, norm, gate/up + SiLU*mul, down + residual). Attention stays eager: it is a few fat
 calls already (the cache write, one SDPA for a step's decodes and one per prefill chunk).
 
-Only steps of at least COMPILE_MIN_TOKENS tokens run compiled. A compiled call costs ~50 us
-of Python (guard checks, wrappers) against ~5 us for an eager op, so at a few tokens per step
-the fused loops win nothing back (a batch-1 decode: 31.7 ms compiled vs 30.5 eager); from a
-few dozen tokens they do (a 256-token prefill: 101-103 ms vs 110-122 ms eager). BENCHMARKS.md
-"The compiled forward" has the numbers and how they were measured.
+The model runner runs these layers for steps of COMPILE_MIN_TOKENS tokens and more
+(model/paths.py says why there); the model itself stays eager and untouched.
 
 Dynamic shapes take the place of token-count buckets: one graph per function serves every
 token count from COMPILE_MIN_TOKENS up (warmed up at start-up, so no request waits for a
-compilation), and smaller steps run eager. Weights are graph inputs, so one graph serves all
-layers. Inductor caches compiled code on disk (TORCHINDUCTOR_CACHE_DIR, default
-/tmp/torchinductor_$USER): a second start-up reuses it. If compiling fails (no C++ compiler, an
-unsupported op), the model is put back as it was and runs eager.
+compilation). Weights are graph inputs, so one graph serves all layers. Inductor caches
+compiled code on disk (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a second
+start-up reuses it. If compiling fails (no C++ compiler, an unsupported op), the runner drops
+these layers and runs eager.
 """
 
 from __future__ import annotations
@@ -28,11 +25,10 @@ import types
 import torch
 from torch import nn
 
+from carpool.model.attention import AttendFn, AttentionMetadata
 from carpool.model.llama import DecoderLayer, LlamaModel
+from carpool.model.paths import COMPILE_MIN_TOKENS
 from carpool.model.quant import EVERY_SIZE, QuantizedLinear
-
-COMPILED = ("before_attention", "after_attention")
-COMPILE_MIN_TOKENS = 32
 
 
 def can_compile(model: LlamaModel) -> bool:
@@ -43,37 +39,35 @@ def can_compile(model: LlamaModel) -> bool:
                                           and m.max_quantized_tokens == EVERY_SIZE for m in model.modules())
 
 
-class CompiledAbove:
-    """A layer method that runs compiled from `min_tokens` tokens up and eager below."""
-
-    def __init__(self, eager, compiled, min_tokens: int):
-        self.eager, self.compiled, self.min_tokens = eager, compiled, min_tokens
-
-    def __call__(self, x: torch.Tensor, *args):
-        return (self.compiled if x.shape[0] >= self.min_tokens else self.eager)(x, *args)
-
-
-def compile_model(model: LlamaModel, min_tokens: int = COMPILE_MIN_TOKENS) -> None:
-    for name in COMPILED:
-        # Every layer of a model has the same structure and its weights are graph inputs, so
-        # guards on the modules' attributes would only cost time. They are skipped; then one
-        # model's graphs must never serve another (say, one without biases), so each model
-        # compiles its own copy of the code: Dynamo keeps compiled graphs per code object.
-        fn = getattr(DecoderLayer, name)
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-        compiled = torch.compile(own, dynamic=True, fullgraph=True,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        for layer in model.layers:
-            method = CompiledAbove(types.MethodType(fn, layer), types.MethodType(compiled, layer), min_tokens)
-            setattr(layer, name, method)
+def _compile(fn):
+    # Every layer of a model has the same structure and its weights are graph inputs, so guards
+    # on the modules' attributes would only cost time. They are skipped; then one model's graphs
+    # must never serve another (say, one without biases), so each model compiles its own copy of
+    # the code: Dynamo keeps compiled graphs per code object.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+    return torch.compile(own, dynamic=True, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
-def uncompile_model(model: nn.Module) -> None:
-    """Back to the eager methods (the instance attributes compile_model set shadow them)."""
-    for layer in model.modules():
-        if isinstance(layer, DecoderLayer):
-            for name in COMPILED:
-                layer.__dict__.pop(name, None)
+class CompiledLayers:
+    """A model's decoder layers with their dense halves compiled: called as the eager layers
+    are, in the same order (DecoderLayer.forward), with attention between the halves."""
+
+    def __init__(self, model: LlamaModel):
+        self.layers = list(model.layers)
+        self.final_norm = model.norm if model.is_last else None
+        # Unbound: called with the layer first, as the methods are (Dynamo compiles lazily, on
+        # the first call).
+        self.before_attention = _compile(DecoderLayer.before_attention)
+        self.after_attention = _compile(DecoderLayer.after_attention)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, attend: AttendFn) -> torch.Tensor:
+        """The hidden states after the last layer (normed on the last stage)."""
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.before_attention(layer, x, cos, sin)
+            x = self.after_attention(layer, x, attend(q, k, v, kv_cache[i], meta, layer.self_attn.scale))
+        return x if self.final_norm is None else self.final_norm(x)
 
 
 def warm_up_sizes(model: nn.Module, min_tokens: int = COMPILE_MIN_TOKENS) -> list[int]:

@@ -9,13 +9,9 @@ as runs of queries (attention.QueryRuns): each chunk token computes exactly what
 decode, so a chunk equals its tokens one step at a time, bit for bit (the eager path's SDPA
 rounds differently).
 
-It runs steps of up to COMPILE_MIN_TOKENS - 1 tokens, past the quantized matmuls' own crossover
-(8-16 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused step beat
-the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at 1 decode,
-15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31; `python -m carpool.bench.decode_sweep`;
-a 16-token step of 4 decodes and a 12-token chunk: 17 vs 31-33 ms, `carpool bench hybrid`;
-Intel Xeon with AMX, 2 threads, 2026-12-01). Everything else (bigger steps, fp32, dense weights, tensor parallelism,
-Qwen3's q/k norms, the profiler's attention hook) runs the eager layers.
+The model runner holds this object and runs it for steps of up to FUSED_MAX_TOKENS tokens
+(model/paths.py has the measurements behind that size); bigger steps, and models it cannot
+serve (`build` returns None), run the other paths.
 """
 
 from __future__ import annotations
@@ -25,9 +21,9 @@ import ctypes
 import torch
 
 from carpool.model import cpu_kernels
-from carpool.model.attention import AttentionMetadata, paged_attention
-from carpool.model.compiled import COMPILE_MIN_TOKENS
+from carpool.model.attention import AttentionMetadata
 from carpool.model.llama import LlamaModel
+from carpool.model.paths import FUSED_MAX_TOKENS
 from carpool.model.quant import QuantizedLinear
 
 
@@ -57,12 +53,11 @@ def _weight(linear: QuantizedLinear) -> QuantizedWeight:
 
 class FusedLayers:
     """The model's layers as C structs of weight pointers, bound once (the weights never move;
-    the model, which owns them, holds this object)."""
+    the model runner, which holds the model, holds this object)."""
 
     def __init__(self, model: LlamaModel, max_tokens: int):
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens  # the largest step it runs
         layers = model.layers
-        self._attention = layers[0].self_attn  # its `attend` tells whether the profiler swapped attention
         self.weights = (DecoderLayerWeights * len(layers))(*(
             DecoderLayerWeights(layer.input_layernorm.weight.data_ptr(),
                                 layer.post_attention_layernorm.weight.data_ptr(),
@@ -76,7 +71,7 @@ class FusedLayers:
         self._call = cpu_kernels.library().fused_layers
 
     @classmethod
-    def build(cls, model: LlamaModel, max_tokens: int = COMPILE_MIN_TOKENS - 1) -> FusedLayers | None:
+    def build(cls, model: LlamaModel, max_tokens: int = FUSED_MAX_TOKENS) -> FusedLayers | None:
         """The fused path for `model`, or None where its layers need the eager path."""
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -85,12 +80,10 @@ class FusedLayers:
                   and all(isinstance(m, QuantizedLinear) and m.kernel is not None for m in linears))
         return cls(model, max_tokens) if usable and max_tokens > 0 else None
 
-    def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A step of at most max_tokens, attended by the C kernel: decodes only, or with prefill
-        chunks laid out as query runs (the runner builds them for steps this small)."""
-        return (x.shape[0] <= self.max_tokens and meta.decode_mask is None
-                and (meta.num_decodes == x.shape[0] or meta.runs is not None)
-                and self._attention.attend is paged_attention)
+    def can_attend(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether the C kernel can attend this step: decodes only, or with prefill chunks laid
+        out as query runs (the runner builds them for steps the fused path may take)."""
+        return meta.decode_mask is None and (meta.num_decodes == num_tokens or meta.runs is not None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

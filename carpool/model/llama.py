@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +17,7 @@ from torch import nn
 
 from carpool.config import ModelConfig
 from carpool.model import cpu_kernels
-from carpool.model.attention import AttentionMetadata, paged_attention
-
-if TYPE_CHECKING:
-    from carpool.model.fused_layers import FusedLayers
+from carpool.model.attention import AttendFn, AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -234,10 +230,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    # The attention kernel, as a hook: the profiler (sim/profile.py) swaps in one that returns its
-    # query, so that what is left of a forward pass is its linear part.
-    attend = staticmethod(paged_attention)
-
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         if config.num_heads % tp.size or config.num_kv_heads % tp.size:
@@ -303,13 +295,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, attend: AttendFn = paged_attention) -> torch.Tensor:
         q, k, v = self.before_attention(x, cos, sin)
-        o = self.self_attn.attend(q, k, v, cache, meta, self.self_attn.scale)
+        o = attend(q, k, v, cache, meta, self.self_attn.scale)
         return self.after_attention(x, o)
 
     # The dense halves of a layer, on either side of attention (the only part that looks at
-    # sequence boundaries): pure functions of tensors, so model/compiled.py can compile them.
+    # sequence boundaries): pure functions of tensors, so model/compiled.py can compile copies.
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
@@ -343,9 +335,6 @@ class LlamaModel(nn.Module):
             # Vocabulary-parallel: this rank's rows of the LM head (all of them without TP).
             self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_range(config.vocab_size)[1], bias=False)
         self.requires_grad_(False)
-        # All layers of a small step in one C call, where it applies (set by the model
-        # runner once the weights are final: model/fused_layers.py).
-        self.fused_layers: FusedLayers | None = None
 
     @property
     def num_local_layers(self) -> int:
@@ -353,16 +342,20 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, attend: AttendFn = paged_attention) -> torch.Tensor:
         """kv_cache: [local_layers, 2, num_slots, kv_heads, head_dim]. Returns hidden states
-        (normed on the last stage)."""
-        x = self.embed_tokens(input_ids) if self.is_first else hidden
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.fused_layers is not None and self.fused_layers.runs(x, meta):
-            return self.fused_layers(x, cos, sin, kv_cache, meta)
+        (normed on the last stage). `attend` is the attention kernel every layer calls."""
+        x, cos, sin = self.layer_inputs(input_ids, positions, hidden)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x = layer(x, cos, sin, kv_cache[i], meta, attend)
         return self.norm(x) if self.is_last else x
+
+    def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input (embedded ids on the first stage, the previous stage's hidden
+        states after it) and the step's RoPE cos/sin: what every path through the layers starts from."""
+        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        return x, *self.rotary.cos_sin(positions, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab]; with TP each rank computes its vocabulary slice and the first

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 
 from carpool.core.cost_profile import Profile
 from carpool.engine import LLMEngine
 from carpool.harness.synthetic import SyntheticBatches, median_time
-from carpool.model.llama import Attention
 from carpool.model import attention as attention_module
 from carpool.sampling_params import SamplingParams
 
@@ -34,15 +32,11 @@ DECODE_CONTEXT = (16, 128, 256, 512, 768, 1024, 1536, 2048)
 SAMPLE_ROWS = (1, 4, 16, 64, 128)
 
 
-@contextmanager
-def attention_stubbed():
-    """Attention returns its query: what is left of a forward pass is the linear part."""
-    real = Attention.__dict__["attend"]  # the staticmethod itself, to put back as it was
-    Attention.attend = staticmethod(lambda q, k, v, cache, meta, scale: q)
-    try:
-        yield
-    finally:
-        Attention.attend = real
+def query_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+               meta: attention_module.AttentionMetadata, scale: float) -> torch.Tensor:
+    """An attention stand-in that returns its query: what is left of a forward pass is the
+    linear part. The runner takes it as its `attention` argument, for the steps timed with it."""
+    return q
 
 
 def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> Profile:
@@ -54,17 +48,20 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
     synth = SyntheticBatches(engine)
     grid = profile_grid(engine.max_model_len, quick)
 
-    def forward(batch_grants):
+    def forward(batch_grants, attention=None):
+        """One step, as the runner runs it (down the path it picks), to call again and again."""
         ids, pos, meta, _ = runner.prepare(synth.batch(batch_grants))
-        return lambda: model(ids, pos, runner.kv_cache, meta)
+        return lambda: runner.forward(ids, pos, meta, attention=attention)
+
+    def linear_part(batch_grants):
+        return forward(batch_grants, attention=query_only)
 
     with torch.inference_mode():
-        with attention_stubbed():
-            warm_up(forward, synth, vocab, gen)
-            for n in grid["linear"]:
-                r = synth.new(torch.randint(vocab, (n,), generator=gen).tolist())
-                prof.add("linear", n, 0, median_time(forward([(r, n)]), repeats))
-                synth.close()
+        warm_up(linear_part, synth, vocab, gen)
+        for n in grid["linear"]:
+            r = synth.new(torch.randint(vocab, (n,), generator=gen).tolist())
+            prof.add("linear", n, 0, median_time(linear_part([(r, n)]), repeats))
+            synth.close()
 
         attn = model.layers[0].self_attn
         head_dim, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
@@ -89,7 +86,7 @@ def profile_engine(engine: LLMEngine, repeats: int = 5, quick: bool = False) -> 
                 prof.add("prefill_attn", n, prefix, attention_time([(r, n)]))
                 synth.close()
 
-        fused = model.fused_layers  # decode-only steps run their own path: time it whole
+        fused = runner.fused  # small decode-only steps run their own path: time it whole
         for ctx in grid["decode_context"]:
             reqs = [synth.with_cached_context(ctx - 1, gen) for _ in range(max(grid["decode_batch"]))]
             for d in grid["decode_batch"]:

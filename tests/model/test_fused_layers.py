@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from carpool.harness.synthetic import SyntheticBatches
 from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
-from carpool.model.compiled import COMPILE_MIN_TOKENS
 from carpool.model.cpu_kernels import has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
+from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
 from carpool.model.quant import QuantizedLinear
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
@@ -32,18 +32,19 @@ def fuse(engine: LLMEngine) -> FusedLayers:
     for m in engine.model.modules():
         if isinstance(m, QuantizedLinear):
             m.max_quantized_tokens = MAX_TOKENS
-    engine.model.fused_layers = FusedLayers.build(engine.model, MAX_TOKENS)
-    assert engine.model.fused_layers is not None and engine.model.fused_layers.max_tokens == MAX_TOKENS
-    return engine.model.fused_layers
+    engine.runner.fused = FusedLayers.build(engine.model, MAX_TOKENS)
+    assert engine.runner.fused is not None and engine.runner.fused.max_tokens == MAX_TOKENS
+    return engine.runner.fused
 
 
 @contextlib.contextmanager
 def eager(engine: LLMEngine):
-    saved, engine.model.fused_layers = engine.model.fused_layers, None
+    """The runner without its fused path: every step runs the model's eager forward."""
+    saved, engine.runner.fused = engine.runner.fused, None
     try:
         yield
     finally:
-        engine.model.fused_layers = saved
+        engine.runner.fused = saved
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
@@ -86,8 +87,8 @@ class Counting:
     def __init__(self, fused: FusedLayers):
         self.fused, self.tokens, self.max_tokens = fused, [], fused.max_tokens
 
-    def runs(self, x, meta) -> bool:
-        return self.fused.runs(x, meta)
+    def can_attend(self, meta, num_tokens: int) -> bool:
+        return self.fused.can_attend(meta, num_tokens)
 
     def __call__(self, x, *args):
         self.tokens.append(x.shape[0])
@@ -154,23 +155,23 @@ def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, 
     """Decodes and prefill chunks in one fused step give, bit for bit, the logits and KV of the
     decodes alone and then each chunk's tokens one per step: a chunk's queries share the passes
     over their context but each computes exactly what it would as a decode."""
-    model = engine.model
-    saved, model.fused_layers = model.fused_layers, FusedLayers.build(model, COMPILE_MIN_TOKENS - 1)
-    counted = model.fused_layers = Counting(model.fused_layers)
-    model.lm_head.max_quantized_tokens = COMPILE_MIN_TOKENS - 1  # every row's logits from one kernel
+    model, runner = engine.model, engine.runner
+    saved, runner.fused = runner.fused, FusedLayers.build(model, FUSED_MAX_TOKENS)
+    counted = runner.fused = Counting(runner.fused)
+    model.lm_head.max_quantized_tokens = FUSED_MAX_TOKENS  # every row's logits from one kernel
     try:
         got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
         assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
         want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
     finally:
-        model.fused_layers, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
+        runner.fused, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)
 
 
 def test_a_stage_without_the_final_norm(engine):
     """A pipeline stage that is not the last returns the residual stream, not normed."""
-    model, fused = engine.model, engine.model.fused_layers
+    model, fused = engine.model, engine.runner.fused
     stage = FusedLayers(model, MAX_TOKENS)
     stage.final_norm = None
     synthetic = SyntheticBatches(engine)
@@ -180,8 +181,7 @@ def test_a_stage_without_the_final_norm(engine):
         runner = engine.runner
         with torch.inference_mode():
             ids, pos, meta = runner.tensors(runner.plan(synthetic.batch(grants)))
-            x = model.embed_tokens(ids)
-            cos, sin = model.rotary.cos_sin(pos, x.dtype)
+            x, cos, sin = model.layer_inputs(ids, pos)
             stream = stage(x.clone(), cos, sin, runner.kv_cache, meta)
             normed = fused(x, cos, sin, runner.kv_cache, meta)
         assert not torch.equal(stream, normed)
@@ -191,13 +191,13 @@ def test_a_stage_without_the_final_norm(engine):
 
 
 def test_engine_greedy_runs_fused_and_matches_eager(engine):
-    fused = engine.model.fused_layers
-    engine.model.fused_layers = counted = Counting(fused)
+    fused = engine.runner.fused
+    engine.runner.fused = counted = Counting(fused)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:MAX_TOKENS]]
     try:
         got = run_greedy(engine, prompts, 12)
     finally:
-        engine.model.fused_layers = fused
+        engine.runner.fused = fused
     assert counted.tokens and max(counted.tokens) == MAX_TOKENS
     assert engine.reset_prefix_cache()
     with eager(engine):
@@ -205,10 +205,37 @@ def test_engine_greedy_runs_fused_and_matches_eager(engine):
     assert got == want
 
 
+def test_a_stand_in_attention_never_runs_fused(engine):
+    """The profiler's timing hook: with a stand-in for attention, a step the fused path would
+    take runs the eager layers, each calling the stand-in."""
+    runner = engine.runner
+    fused = runner.fused
+    runner.fused = counted = Counting(fused)
+    calls = []
+
+    def query_only(q, k, v, cache, meta, scale):
+        calls.append(q.shape[0])
+        return q
+
+    synthetic = SyntheticBatches(engine)
+    try:
+        g = torch.Generator().manual_seed(0)
+        grants = [(synthetic.with_cached_context(n, g), 1) for n in (9, 30)]
+        with torch.inference_mode():
+            ids, pos, meta = runner.tensors(runner.plan(synthetic.batch(grants)))
+            runner.forward(ids, pos, meta, attention=query_only)
+            assert not counted.tokens and calls == [2] * engine.model.num_local_layers
+            runner.forward(ids, pos, meta)
+            assert counted.tokens == [2] and len(calls) == engine.model.num_local_layers
+    finally:
+        runner.fused = fused
+        synthetic.close()
+
+
 def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_path):
-    assert engine_fp32.model.fused_layers is None  # fp32: torch's kernels, the reference arithmetic
+    assert engine_fp32.runner.fused is None  # fp32: torch's kernels, the reference arithmetic
     dense = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
-    assert dense.model.fused_layers is None
+    assert dense.runner.fused is None
     assert FusedLayers.build(engine.model).max_tokens == COMPILE_MIN_TOKENS - 1  # below the compiled sizes
     assert SMALL_STEP_TOKENS == COMPILE_MIN_TOKENS  # where the step-cost fit expects the jump
     down = engine.model.layers[-1].mlp.down_proj

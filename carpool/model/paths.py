@@ -1,0 +1,46 @@
+"""Which path runs a step's decoder layers, by its token count: the thresholds, in one place.
+
+Three paths compute the same layers; the model runner picks one per step (`choose_path`):
+
+- fused (model/fused_layers.py): every layer of the step in one C call;
+- compiled (model/compiled.py): each layer's dense halves as Inductor graphs, attention eager;
+- eager (model/llama.py): the model's own forward, one module call at a time.
+
+The fused path runs steps of up to FUSED_MAX_TOKENS tokens, past the quantized matmuls' own
+crossover (8-16 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused
+step beat the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at
+1 decode, 15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31;
+`python -m carpool.bench.decode_sweep`; a 16-token step of 4 decodes and a 12-token chunk: 17 vs
+31-33 ms, `carpool bench hybrid`; Intel Xeon with AMX, 2 threads, 2026-12-01). Where it cannot
+run (fp32, dense weights, tensor parallelism, Qwen3's q/k norms, the profiler's attention hook),
+those steps run eager.
+
+Only steps of at least COMPILE_MIN_TOKENS tokens run compiled. A compiled call costs ~50 us of
+Python (guard checks, wrappers) against ~5 us for an eager op, so at a few tokens per step the
+fused loops win nothing back (a batch-1 decode: 31.7 ms compiled vs 30.5 eager); from a few dozen
+tokens they do (a 256-token prefill: 101-103 ms vs 110-122 ms eager). BENCHMARKS.md "The
+compiled forward" has the numbers and how they were measured.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+COMPILE_MIN_TOKENS = 32
+FUSED_MAX_TOKENS = COMPILE_MIN_TOKENS - 1  # the fused path ends where the compiled one starts
+
+
+class Path(Enum):
+    FUSED = "fused"
+    COMPILED = "compiled"
+    EAGER = "eager"
+
+
+def choose_path(num_tokens: int, fused_max_tokens: int, compiled: bool) -> Path:
+    """The path of a step of `num_tokens` tokens. fused_max_tokens: up to how many tokens the
+    fused layers run this step (0 where they cannot); compiled: whether compiled layers exist."""
+    if num_tokens <= fused_max_tokens:
+        return Path.FUSED
+    if compiled and num_tokens >= COMPILE_MIN_TOKENS:
+        return Path.COMPILED
+    return Path.EAGER
