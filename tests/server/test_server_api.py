@@ -135,13 +135,15 @@ async def test_what_the_engine_is_asked(api, scripted):
     """Prompts (text or ids, one engine request per prompt x choice, prompt-major), choice j's
     seed (seed + j), and the sampling fields, as the engine gets them."""
     ids = (await api.post("/tokenize", json={"prompt": PROMPT})).json()["tokens"]
-    body = (await api.post("/v1/completions", json={"prompt": [PROMPT, ids[:2]], "n": 3, "seed": 5, "max_tokens": 4,
+    body = (await api.post("/v1/completions", json={"prompt": [ids, ids[:2]], "n": 3, "seed": 5, "max_tokens": 4,
                                                      "ignore_eos": True})).json()
     assert [c["index"] for c in body["choices"]] == list(range(6))
     assert body["usage"]["prompt_tokens"] == len(ids) + 2  # each prompt once, not n times
     assert body["usage"]["completion_tokens"] == 24
     assert [(p, sp.seed) for p, sp in scripted.added] == [(ids, 5), (ids, 6), (ids, 7),
                                                           (ids[:2], 5), (ids[:2], 6), (ids[:2], 7)]
+    await api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+    assert scripted.added[-1][0] == ids  # text, tokenized by the server
     await api.post("/v1/completions", json={
         "prompt": PROMPT, "max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.5,
         "frequency_penalty": 0.25, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "stop": [" the"],
