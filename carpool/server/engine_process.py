@@ -45,6 +45,7 @@ from carpool.server.engine_client import (
     EngineInfo,
     EngineOverloadedError,
 )
+from carpool.server.metrics import ServerMetrics, StatsLog
 from carpool.server.options import ServerOptions
 from carpool.server.startup import freeze_startup_objects
 from carpool.structured import StructuredOutputs
@@ -143,7 +144,6 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
     """The engine process's main: load the engine, say ready, run the step loop on this (main)
     thread until the frontend says stop or goes away."""
     from carpool.engine import LLMEngine
-    from carpool.server.metrics import ServerMetrics, StatsLog
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group: the frontend drains, then stops us
         signal.signal(sig, signal.SIG_IGN)
