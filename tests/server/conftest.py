@@ -164,6 +164,7 @@ async def api(scripted, anyio_backend):
 async def real_http(s: Served) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
         http.ctx = s.server
+        http.wait_idle = s.wait_idle
         yield http
 
 
@@ -173,7 +174,8 @@ BOTH = ["scripted", pytest.param("real", marks=pytest.mark.slow)]
 @pytest.fixture(params=BOTH)
 async def http(request, anyio_backend):
     """A contract that holds whatever the engine: checked on the scripted engine in the default
-    suite, and on the shared real server as well in the slow one. `http.ctx`: the ServingContext."""
+    suite, and on the shared real server as well in the slow one. `http.ctx`: the ServingContext;
+    `http.wait_idle()`: True once the engine holds no request."""
     if request.param == "scripted":
         async with serve(request.getfixturevalue("scripted")) as client:
             yield client

@@ -236,4 +236,5 @@ async def serve(engine: ScriptedEngine, **options) -> AsyncIterator[httpx.AsyncC
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://scripted", timeout=30) as http:
             http.ctx = app.state.ctx  # the ServingContext, for tests that reach behind the routes
+            http.wait_idle = lambda timeout=10.0: engine.idle  # (as Served.wait_idle)
             yield http

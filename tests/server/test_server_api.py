@@ -483,3 +483,4 @@ async def test_bad_json_and_context_overflow(http):
     # ...and the server keeps serving.
     r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 3
+    assert http.wait_idle()

@@ -74,6 +74,7 @@ async def test_engine_requests_per_http_request_are_capped(make_http):
                                {"messages": [{"role": "user", "content": "a"}], "n": 5}), "n")
         r = await apost(http, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        assert http.wait_idle()
 
 
 # ------------------------------------------------------------------ bodies

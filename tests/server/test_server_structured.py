@@ -194,6 +194,7 @@ async def test_bad_constraints_are_400s_naming_the_field(http, body, param, word
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and words in error["message"], error
+    assert http.wait_idle()
 
 
 @pytest.mark.slow  # which constraint, and the shapes: the scripted tests
