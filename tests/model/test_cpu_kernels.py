@@ -5,6 +5,7 @@ signature table against csrc/kernels.h and the library; their wrappers' checks; 
 from __future__ import annotations
 
 import ctypes
+import types
 from pathlib import Path
 
 import pytest
@@ -371,14 +372,19 @@ def test_each_ops_fake_implementation_matches_its_output(name):
     torch.library.opcheck(op, op_cases()[name][1])
 
 
+def fresh(fn):
+    """fn with a code object of its own: Dynamo caches compilations per code object, so a test
+    compiles its function anew without resetting what other tests compiled."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def compiled(fn, recorded: list):
     """fn compiled with no graph break allowed, through AOT (functionalization, fake tensors);
     the FX graphs Dynamo hands over are appended to `recorded`."""
     def backend(gm, example_inputs):
         recorded.append(gm)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-    torch._dynamo.reset()
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    return torch.compile(fresh(fn), backend=backend, fullgraph=True, dynamic=True)
 
 
 def calls(graphs: list, name: str) -> int:
@@ -437,10 +443,9 @@ def test_inductor_compiles_an_op_into_its_graph():
     """Inductor (what the runner compiles with) calls the op from its generated code."""
     _, (gate_up,) = op_cases()["silu_mul"]
     fn = lambda g: cpu_kernels.silu_mul(g * 2) * 2  # both exact in bf16
-    explained = torch._dynamo.explain(fn)(gate_up)
+    explained = torch._dynamo.explain(fresh(fn))(gate_up)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(fn, fullgraph=True)(gate_up), fn(gate_up))
+    assert torch.equal(torch.compile(fresh(fn), fullgraph=True)(gate_up), fn(gate_up))
 
 
 def test_eager_calls_skip_the_op(monkeypatch):
@@ -449,7 +454,7 @@ def test_eager_calls_skip_the_op(monkeypatch):
     def no_dispatch(*args):
         raise AssertionError("dispatched through torch.ops")
     for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "paged_decode_attention"):
-        monkeypatch.setattr(getattr(torch.ops.carpool, name), "default", no_dispatch)
+        monkeypatch.setattr(torch.ops.carpool, name, no_dispatch)
     for name, (fn, args) in wrapper_cases().items():
         fn(*args)
 

@@ -27,6 +27,7 @@ from carpool.model.quant import (EVERY_SIZE, QuantizedLinear, check_quantization
                                  quantize_int4, quantize_int8, quantize_linears, quantize_q4_1)
 from tests.conftest import PROMPTS
 from tests.helpers import run_greedy
+from tests.model.test_cpu_kernels import fresh
 
 TEXT = (Path(__file__).parent / "data" / "alice.txt").read_text()  # Carroll, 1865: public domain
 CPU = torch.device("cpu")
@@ -249,9 +250,8 @@ def test_a_compiled_layer_runs_the_c_kernel_where_it_wins(mode):
         graphs.append(gm)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    torch._dynamo.reset()
     x = torch.randn(5, 64).bfloat16()
-    got = torch.compile(q, backend=backend, fullgraph=True, dynamic=True)(x)
+    got = torch.compile(fresh(lambda x: q(x)), backend=backend, fullgraph=True, dynamic=True)(x)
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     assert "carpool.quantized_matmul" in targets
     assert torch.equal(got, q.quantized(x)) and not torch.equal(got, q.dense(x))
