@@ -419,14 +419,16 @@ class QuantizedMatmul:
         blocks = -(-n // 16)
         self.k = codes.shape[1] * (4 if low is None else 32) if codes.dim() > 1 else 0
         groups = self.k // 32
-        if not (codes.is_cpu and codes.dtype is torch.uint8 and codes.is_contiguous() and scale.is_cpu
-                and scale.dtype is torch.float16 and scale.is_contiguous() and scale.shape == (blocks, groups, 16)
+        if not (self.k % 32 == 0 and codes.is_cpu and codes.dtype is torch.uint8 and codes.is_contiguous()
+                and scale.is_cpu and scale.dtype is torch.float16 and scale.is_contiguous()
+                and scale.shape == (blocks, groups, 16)
                 and codes.shape == ((blocks, self.k // 4, 16, 4) if low is None else (blocks, groups, 4, 16, 4))
                 and (low is None or (low.is_cpu and low.dtype is torch.float16 and low.is_contiguous()
                                      and low.shape == scale.shape))):
-            _reject("QuantizedMatmul", f"contiguous CPU tensors packed for n={n} (quant.pack_int8: codes uint8 "
-                    "[n / 16, k / 4, 16, 4]; quant.pack_int4: codes uint8 [n / 16, k / 32, 4, 16, 4], low as "
-                    "scale), scale float16 [n / 16, k / 32, 16]", codes=codes, scale=scale, low=low)
+            _reject("QuantizedMatmul", f"contiguous CPU tensors packed for n={n}, k a multiple of 32 "
+                    "(quant.pack_int8: codes uint8 [n / 16, k / 4, 16, 4]; quant.pack_int4: codes uint8 "
+                    "[n / 16, k / 32, 4, 16, 4], low as scale), scale float16 [n / 16, k / 32, 16]",
+                    codes=codes, scale=scale, low=low)
         self.n, self.tensors = n, (codes, scale, low)  # the tensors keep the bound pointers valid
         pointers = (codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr())
         self._matmul = functools.partial(library().quantized_matmul, *pointers)
