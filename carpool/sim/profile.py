@@ -1,9 +1,9 @@
 """`carpool profile`: measure the real model runner's parts on this machine, write a CSV.
 
-Each part is timed in isolation on exact shapes built with SyntheticBatches:
-linear layers (the model with attention stubbed out), prefill attention and decode attention
-(the real kernel over real block tables, on every layer's cache in turn), whole decode-only
-forwards where the runner fuses them into one call, LM head plus sampling, and the
+Each part is timed in isolation on exact shapes built with SyntheticBatches: linear layers
+(the runner's step with `query_only` standing in for attention), prefill attention and decode
+attention (the real kernel over real block tables, on every layer's cache in turn), whole
+decode-only forwards where the runner fuses them into one call, LM head plus sampling, and the
 per-iteration work outside the model measured on real engine steps.
 """
 
