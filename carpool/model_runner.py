@@ -98,7 +98,8 @@ class ModelRunner:
                 self.warm_up_step(n)
         except Exception as e:  # noqa: BLE001 -- any compiler failure leaves a working eager model
             self.compiled = None
-            log.warning("torch.compile failed, running eager: %s: %s", type(e).__name__, str(e).splitlines()[0])
+            log.warning("torch.compile failed, running eager: %s: %s", type(e).__name__,
+                        next(iter(str(e).splitlines()), ""))
             return False
         finally:
             self.kv_cache[:, :, self.pad_block * self.block_size:].zero_()

@@ -17,7 +17,7 @@ from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS, Path, choo
 from carpool.model_runner import ModelRunner
 from carpool.sampling_params import SamplingParams
 from tests.conftest import PROMPTS
-from tests.helpers import nan_in_unwritten_blocks, run_greedy, scheduler_config
+from tests.helpers import examples, nan_in_unwritten_blocks, run_greedy, scheduler_config
 
 
 def test_paths_by_token_count():
@@ -51,7 +51,7 @@ def generate(engine, prompts, max_tokens, prompt_logprobs=None):
     return outs
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), budget=st.sampled_from([16, 40]), num_blocks=st.sampled_from([6, 32]),
        decode_kernel=st.booleans(), prompt_logprobs=st.sampled_from([None, 1]))
 def test_nan_in_unwritten_blocks_changes_no_output(engine_fp32, pieces, data, budget, num_blocks, decode_kernel,

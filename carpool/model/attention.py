@@ -13,7 +13,7 @@ Contexts are gathered whole blocks at a time (a 16-token block is one contiguous
 gathering slot by slot was 15x slower). torch 2.13's CPU SDPA (flash, GQA in the kernel) beat
 the two batched matmuls with the query heads grouped per KV head that carpool used before, at
 every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached prefix in bf16
-(1.3-2.3x in fp32); `carpool bench attention`, BENCHMARKS.md "Attention as SDPA".
+(1.3-2.3x in fp32), timed call against call on the same gathered blocks.
 """
 
 from __future__ import annotations

@@ -32,11 +32,10 @@ from carpool.model.quant import EVERY_SIZE, QuantizedLinear
 
 
 def can_compile(model: LlamaModel) -> bool:
-    """Tensor-parallel layers all-reduce inside `after_attention`: those stay eager. So do models
-    whose quantized kernels win at every size (AVX2 alone): a compiled graph would run the dense
-    copies instead (the C kernels are ctypes calls, which a graph cannot hold)."""
-    return model.tp.size == 1 and not any(isinstance(m, QuantizedLinear) and m.kernel is not None
-                                          and m.max_quantized_tokens == EVERY_SIZE for m in model.modules())
+    """Tensor-parallel layers all-reduce inside `after_attention`: those stay eager. Quantized
+    kernels do not stop a compile: graphs hold them as `carpool::` ops (model/cpu_kernels.py),
+    also where they win at every size (AVX2 alone)."""
+    return model.tp.size == 1
 
 
 def _compile(fn):
@@ -74,5 +73,6 @@ def warm_up_sizes(model: nn.Module, min_tokens: int = COMPILE_MIN_TOKENS) -> lis
     """Token counts that reach every compiled graph: Inductor specializes a graph on each
     quantized kernel's crossover (model/quant.py), so one size past each one at or above
     `min_tokens`, and `min_tokens` itself."""
-    crossovers = {m.max_quantized_tokens for m in model.modules() if isinstance(m, QuantizedLinear)}
+    crossovers = {m.max_quantized_tokens for m in model.modules()
+                  if isinstance(m, QuantizedLinear) and m.max_quantized_tokens != EVERY_SIZE}
     return sorted({min_tokens} | {c + 1 for c in crossovers if c + 1 > min_tokens})

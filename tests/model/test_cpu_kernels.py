@@ -22,13 +22,13 @@ from carpool.model.cpu_kernels import KERNELS, KernelSignatureError, Signature
 from carpool.model.quant import QuantizedLinear
 from carpool.model.llama import apply_rope
 from tests.conftest import PROMPTS
-from tests.helpers import run_greedy
+from tests.helpers import examples, run_greedy
 from tests.model.test_attention import naive
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this machine")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=5), block=st.sampled_from([1, 5, 16]),
        kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4]),
        dim=st.sampled_from([8, 40, 48, 64, 128]),
@@ -66,7 +66,7 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
         torch.testing.assert_close(got[row:row + 1].float(), want, rtol=tol, atol=tol)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(lens=st.lists(st.integers(1, 100), min_size=8, max_size=8), block=st.sampled_from([5, 16]),
        kv_heads=st.sampled_from([1, 3]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -93,7 +93,7 @@ def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim,
         torch.set_num_threads(threads)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=4),
        block=st.sampled_from([1, 5, 16]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),
        run=st.sampled_from([1, 3, 8]), bf16=st.booleans(), seed=st.integers(0, 2**16))

@@ -19,7 +19,7 @@ from carpool.model.fused_layers import FusedLayers
 from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
 from carpool.model.quant import QuantizedLinear
 from tests.conftest import PROMPTS
-from tests.helpers import run_greedy
+from tests.helpers import examples, run_greedy
 from tests.model.test_hf_models import write_checkpoint
 
 pytestmark = pytest.mark.skipif(not has_quantized_matmul(), reason="needs AVX-512 VNNI (the C quantized matmuls)")
@@ -95,7 +95,7 @@ class Counting:
         return self.fused(x, *args)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(contexts=st.lists(st.integers(1, 300), min_size=1, max_size=MAX_TOKENS), seed=st.integers(0, 1 << 16))
 def test_fused_equals_eager_exactly(engine, contexts, seed):
     got, got_cache = decode_step(engine, contexts, seed)
@@ -147,7 +147,7 @@ def hybrid_step(engine: LLMEngine, decodes: list[int], chunks: list[tuple[int, i
         synthetic.close()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(decodes=st.lists(st.integers(1, 100), max_size=3),
        chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), min_size=1, max_size=2),
        seed=st.integers(0, 1 << 16))
