@@ -1,10 +1,16 @@
-"""carpool's modules import one another without cycles: data and control flow one way, and any
-module can be imported first. Read from the source with `ast`; nothing is imported."""
+"""carpool's imports, read from the source with `ast` (nothing is imported):
+
+- no cycles: any module can be imported first;
+- one-way layers: core <- model <- engine <- harness <- {bench, sim} <- cli. Here every import
+  counts, those inside functions too: a lazy import is a dependency all the same.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import carpool
 
@@ -21,12 +27,14 @@ def module_names() -> dict[str, Path]:
     return names
 
 
-def imported(name: str, path: Path, modules: dict[str, Path], everywhere: bool) -> set[str]:
-    """The carpool modules `name` imports: at module level (the body, its `if`/`try` blocks, not
-    `if TYPE_CHECKING:`), or anywhere in the file with `everywhere`. `from package import module`
-    counts as the module; a name from a package's __init__ as the package."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def imported(name: str, source: str, modules: dict[str, Path] | set[str], everywhere: bool,
+             is_package: bool = False) -> set[str]:
+    """The carpool modules `name` (whose text is `source`) imports: at module level (the body,
+    its `if`/`try` blocks, not `if TYPE_CHECKING:`), or anywhere in the file with `everywhere`.
+    `from package import module` counts as the module; a name from a package's __init__ as the
+    package."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
 
     def statements(body: list[ast.stmt]):
         for node in body:
@@ -97,12 +105,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def import_graph(everywhere: bool = False) -> dict[str, set[str]]:
     modules = module_names()
-    return {name: imported(name, path, modules, everywhere) for name, path in modules.items()}
+    return {name: imported(name, path.read_text(), modules, everywhere, path.name == "__init__.py")
+            for name, path in modules.items()}
+
+
+# Importer layer -> layers it must not import. A layer is carpool's first-level package or module
+# (`carpool.core.scheduler` is in "core", `carpool.engine` is "engine").
+FORBIDDEN = {
+    "core": ("model", "engine", "harness", "bench", "sim", "server", "cli"),
+    "model": ("engine", "harness", "bench", "sim", "server", "cli"),
+    "engine": ("harness", "bench", "sim", "server", "cli"),
+    "harness": ("bench", "sim", "server", "cli"),
+    "bench": ("sim", "cli"),
+    "sim": ("bench", "cli"),
+}
+TOOLS = ("bench", "sim")  # only these and the command line may import the benchmarks or the simulator
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_reader_sees_lazy_relative_and_package_imports():
+    source = ("import os\nfrom carpool.core import step_cost\n"
+              "def f():\n    from carpool.sim.run import run_simulate\n"
+              "from . import plots\nfrom ..engine import LLMEngine\n")
+    modules = {"carpool.core.step_cost", "carpool.sim.run", "carpool.bench.plots", "carpool.engine"}
+    assert imported("carpool.bench.serving", source, modules, everywhere=True) == modules
+    assert imported("carpool.bench.serving", source, modules, everywhere=False) == modules - {"carpool.sim.run"}
+    assert imported("carpool.harness", "from . import x", {"carpool.harness.x"}, True, is_package=True) == {
+        "carpool.harness.x"}
+    graph = import_graph(everywhere=True)  # the real tree: the engine's own imports, lazy ones too
+    assert "carpool.core.scheduler" in graph["carpool.engine"]
+    assert "carpool.core.cost_profile" in graph["carpool.engine"]  # inside _step_cost_args
 
 
 def test_no_import_cycle_at_module_level():
@@ -118,3 +159,16 @@ def test_no_import_cycle_in_the_server_even_inside_functions():
     server = {name: {m for m in deps if m.startswith("carpool.server")}
               for name, deps in graph.items() if name.startswith("carpool.server")}
     assert cycles(server) == []
+
+
+@pytest.mark.parametrize("importer", sorted(FORBIDDEN))
+def test_layers_import_only_downward(importer):
+    bad = sorted(f"{module} imports {target}" for module, targets in import_graph(everywhere=True).items()
+                 if layer(module) == importer for target in targets if layer(target) in FORBIDDEN[importer])
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_command_line_imports_benchmarks_and_the_simulator():
+    bad = sorted(f"{module} imports {target}" for module, targets in import_graph(everywhere=True).items()
+                 if layer(module) not in (*TOOLS, "cli") for target in targets if layer(target) in TOOLS)
+    assert not bad, "\n".join(bad)
