@@ -53,7 +53,8 @@ def test_help_and_short_names_come_from_the_field_metadata():
     assert actions["quantization"].help == quantization.metadata["help"]
     assert actions["quantization"].option_strings == ["--quantization", "-q"]
     assert actions["quantization"].choices == quantization.metadata["choices"]
-    assert actions["max_num_seqs"].help is None  # no metadata, no help
+    flags = [f for f in fields(EngineConfig) if f.metadata.get("flag", True)]
+    assert all(actions[f.name].help == f.metadata["help"] for f in flags)  # every flag has its help
     assert NOT_FLAGS == {"distributed_init_method", "distributed_timeout"}
     assert not NOT_FLAGS & set(actions)
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args, stdin=None):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -22,6 +24,7 @@ def test_generate_streams_an_answer():
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow
 def test_chat_session():
     r = run_cli("chat", "--max-tokens", "12", "--num-threads", "1", stdin="What is 2+2?\n/reset\nSay hi.\n")
     assert r.returncode == 0, r.stderr

@@ -28,7 +28,7 @@ def alone(engine_fp32, prompts):
     return [run_greedy(engine_fp32, [p], 16)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("budget", [32, 128, 512])
+@pytest.mark.parametrize("budget", [32, pytest.param(128, marks=pytest.mark.slow), pytest.param(512, marks=pytest.mark.slow)])
 def test_batch_invariance(engine_fp32, prompts, alone, budget):
     with scheduler_config(engine_fp32, budget=budget):
         together = run_greedy(engine_fp32, prompts, 16)
@@ -175,6 +175,7 @@ def test_bad_prompts_fail_alone(engine_fp32):
     assert engine_fp32.block_manager.num_free_blocks == engine_fp32.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_prompt_larger_than_kv_cache(model_path):
     small = LLM(model_path, dtype="float32", kv_cache_memory=4 * 16 * 2 * 30 * 3 * 64 * 4)  # 4 blocks
     assert small.engine.max_model_len == 64
@@ -267,7 +268,8 @@ def run_requests(engine, prompts, max_tokens: int):
 
 
 @pytest.mark.parametrize("policy, budget, num_blocks", [
-    ("sarathi", 512, None), ("sarathi", 32, None), ("sarathi", 64, 20), ("orca", 512, None), ("vllm", 128, None)])
+    ("sarathi", 64, 20), *(pytest.param(*p, marks=pytest.mark.slow)
+                           for p in [("sarathi", 512, None), ("sarathi", 32, None), ("orca", 512, None), ("vllm", 128, None)])])
 def test_prefix_cache_keeps_outputs(engine_fp32, policy, budget, num_blocks):
     """fp32 greedy: cache off, then cache on (a first request warms it, the rest share its
     prefix), whole prompts and chunks, with and without preemption: the same tokens."""

@@ -58,7 +58,7 @@ def test_ranks_and_top_alternatives(engine_fp32, long_prompt):
         assert token.rank == 1 + sum(lp.logprob > token.logprob for lp in top) or token.rank > 3
 
 
-@pytest.mark.parametrize("budget, num_blocks", [(16, None), (512, None), (64, 20)])
+@pytest.mark.parametrize("budget, num_blocks", [(64, 20), *(pytest.param(*p, marks=pytest.mark.slow) for p in [(16, None), (512, None)])])
 def test_same_scores_under_any_budget_preemption_and_cache(engine_fp32, long_prompt, budget, num_blocks):
     """Chunks of 16, whole prompts, and a KV cache so small that requests are preempted (their
     recomputed positions must not be scored twice); a cached prefix must not skip scoring."""

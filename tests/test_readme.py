@@ -16,6 +16,7 @@ README = ROOT / "README.md"
 DOCS = ["README.md", "BENCHMARKS.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
+@pytest.mark.slow
 def test_python_api_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     example = next(b for b in blocks if "from carpool import" in b)

@@ -81,6 +81,7 @@ def test_serving_end_to_end(capsys, tmp_path):
     assert "| sarathi:32 |" in stdout
 
 
+@pytest.mark.slow
 def test_capacity_end_to_end(capsys, tmp_path):
     out = tmp_path / "cap"
     rc, stdout, err = run(capsys, "capacity", "--schedulers", "sarathi", "--slo", "30s", "--lengths", "fixed",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from carpool.bench.hybrid import weight_bytes_read
 from carpool.engine import LLMEngine
 
 
+@pytest.mark.slow
 def test_weight_bytes_follow_the_quantization(model_path, engine_fp32):
     cfg = engine_fp32.model_config
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

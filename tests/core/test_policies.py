@@ -147,11 +147,13 @@ def greedy_by_policy(engine_fp32):
     return out
 
 
+@pytest.mark.slow
 def test_slo_following_sarathi_gives_the_same_greedy_outputs(greedy_by_policy):
     assert len(greedy_by_policy["sarathi:dynamic chunk lengths"]) > 3  # it did chunk in varied sizes
     assert greedy_by_policy["sarathi:dynamic"] == greedy_by_policy["sarathi"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_all_policies_give_the_same_greedy_outputs(greedy_by_policy, policy):
     assert greedy_by_policy[policy] == greedy_by_policy["sarathi"]

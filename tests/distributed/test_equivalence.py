@@ -121,7 +121,7 @@ def test_prefix_cache_under_parallelism(parallel_engine, tiny_llama, single, tp,
         assert e.scheduler.prefix_cache_hits >= 4 * 96 + 48
 
 
-@pytest.mark.parametrize("tp,pp", [(3, 1), (1, 3)])
+@pytest.mark.parametrize("tp,pp", [(1, 3), pytest.param(3, 1, marks=pytest.mark.slow)])
 def test_embedded_model_matches_single_process(parallel_engine, engine_fp32, tp, pp):
     """SmolLM2: 9 heads / 3 KV heads, 30 layers, vocabulary 49152: all divide by 3."""
     prompts = [engine_fp32.tokenizer.encode(p) for p in TEXT_PROMPTS]

@@ -64,7 +64,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("tp,pp,victim", [(1, 2, 1), (2, 1, 1), (2, 2, 3)])
+@pytest.mark.parametrize("tp,pp,victim", [(2, 1, 1), *(pytest.param(*p, marks=pytest.mark.slow) for p in [(1, 2, 1), (2, 2, 3)])])
 def test_dead_worker_fails_requests_and_stops_the_rest(tmp_path, tiny_llama, tp, pp, victim):
     script = tmp_path / "kill_worker.py"
     script.write_text(KILL_SCRIPT)

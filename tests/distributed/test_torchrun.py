@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from carpool.engine import LLMEngine
 from tests.distributed.test_equivalence import TINY
 from tests.distributed.test_serving import final_texts
@@ -22,6 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_node_torchrun_on_loopback(tiny_llama):
     engine = LLMEngine(model=tiny_llama, **TINY)
     expected = final_texts(engine, [engine.tokenizer.encode(PROMPT)], 12)[0]

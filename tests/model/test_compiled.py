@@ -31,7 +31,7 @@ LONG_PROMPT = ("In the middle of the night, the old lighthouse keeper climbed th
                "counting every step as he had done for forty years. ") * 3
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def engine(request, model_path):
     """fp32 without quantization; bf16 with the default int4 weights."""
     engine = LLMEngine(model=model_path, dtype=request.param, kv_cache_memory=256 << 20, enforce_eager=False)

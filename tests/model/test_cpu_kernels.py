@@ -479,6 +479,7 @@ def decode_top1(engine, seqs: list[list[int]], prompt_lens: list[int]) -> torch.
         syn.close()
 
 
+@pytest.mark.slow
 def test_bf16_with_kernels_agrees_with_fp32(model_path, engine_fp32, monkeypatch):
     """Greedy continuations of the test prompts decoded teacher-forced in bf16, with the kernels
     and with torch's ops: each agrees with fp32 as bf16 does (measured: 0.96-0.98)."""

@@ -250,7 +250,8 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str
     w.close()
 
 
-@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("qwen3", "qwen2"), ("llama", "llama-bpe")])
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), *(pytest.param(*p, marks=pytest.mark.slow)
+                                                  for p in [("qwen2", "qwen2"), ("qwen3", "qwen2")])])
 def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch, pre):
     from transformers import AutoTokenizer
 

@@ -52,6 +52,7 @@ def test_prefill_logits_fp32_close_to_transformers(engine_fp32, hf_model, prompt
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_bf16_top1_agreement_with_fp32(model_path, engine_fp32, prompt_ids, hf_greedy):
     """Teacher-forced over prompt + reference continuation: the bf16 argmax at each position
     agrees with fp32's on at least 95% of positions."""

@@ -109,6 +109,7 @@ def test_bad_requests_are_rejected():
         simulate([SimRequest(0.0, 0, 1)], ReplicaConfig(), COST)
 
 
+@pytest.mark.slow
 def test_ten_thousand_requests_take_seconds():
     import random
     import time

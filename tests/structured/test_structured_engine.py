@@ -125,6 +125,7 @@ def test_a_row_with_no_allowed_token_fails_alone(llm):
     assert outs[1].text == "ok" and outs[1].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_matcher_in_step(model_path):
     """Recompute drops only KV: outputs stay valid when requests are preempted mid-answer."""
     llm = LLM(model_path, dtype="float32", kv_cache_memory=8 << 20, num_threads=2,
