@@ -15,6 +15,7 @@ def run_cli(*args, stdin=None):
                           text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_generate_streams_an_answer():
     # float32: the reference arithmetic, so the answer does not depend on the CPU's bf16 kernels
     # (with AMX bf16 this small model answers "L'Étoile, la Marseillaise, ..." instead).

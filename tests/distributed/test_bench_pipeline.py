@@ -46,6 +46,7 @@ def test_bubble_report_by_hand():
     assert first["bubble_fraction"] == pytest.approx((3.0 - 1.9 + 3.0 - 2.0) / 6.0)
 
 
+@pytest.mark.slow
 def test_bench_pipeline_end_to_end(tmp_path, tiny_llama):
     threads = torch.get_num_threads()
     try:

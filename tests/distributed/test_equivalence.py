@@ -35,7 +35,7 @@ def run_seeded(engine) -> list[int]:
     return request.output_token_ids
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_tiny_llama_matches_single_process(parallel_engine, tiny_llama, single, reference, tp, pp):
     engine = parallel_engine(model=tiny_llama, tensor_parallel_size=tp, pipeline_parallel_size=pp, **TINY)
     assert run_greedy(engine, PROMPTS, MAX_TOKENS) == reference
@@ -121,7 +121,8 @@ def test_prefix_cache_under_parallelism(parallel_engine, tiny_llama, single, tp,
         assert e.scheduler.prefix_cache_hits >= 4 * 96 + 48
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 3), pytest.param(3, 1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 3), (3, 1)])
 def test_embedded_model_matches_single_process(parallel_engine, engine_fp32, tp, pp):
     """SmolLM2: 9 heads / 3 KV heads, 30 layers, vocabulary 49152: all divide by 3."""
     prompts = [engine_fp32.tokenizer.encode(p) for p in TEXT_PROMPTS]

@@ -21,7 +21,7 @@ def force_quantized_kernels(engine) -> int:
     return len(layers)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
 def test_tp2_quantized_generates_like_single_process(parallel_engine, tiny_llama, mode):
     single = LLMEngine(model=tiny_llama, quantization=mode, **TINY)
     assert force_quantized_kernels(single) == 3 * 4 + 1

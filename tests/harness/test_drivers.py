@@ -142,6 +142,7 @@ def served():
     s.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, logprobs", [("ids", True), ("text", False)])
 def test_online_driver_against_carpool_serve(served, prompts, engine, fmt, logprobs):
     specs = small_workload(prompts, n=5, qps=20.0, seed=1)

@@ -167,6 +167,7 @@ def test_only_eager_bf16_on_cpu_fuses():
     assert not cpu_kernels.fuses(torch.zeros(2))  # fp32: torch's ops, the reference arithmetic
 
 
+@pytest.mark.slow
 def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CARPOOL_KERNEL_CACHE", str(tmp_path))
     first = cpu_kernels.build()

@@ -32,6 +32,7 @@ def hf_greedy(hf_model, prompt_ids):
     return outs
 
 
+@pytest.mark.slow
 def test_greedy_fp32_matches_transformers_generate(engine_fp32, prompt_ids, hf_greedy):
     assert len(prompt_ids) >= 8
     ours = run_greedy(engine_fp32, prompt_ids, NEW_TOKENS)  # all prompts batched together

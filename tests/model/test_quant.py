@@ -303,7 +303,8 @@ def bf16_quality(model_path, reference):
 # (+1.5%); int4 0.978 / 23.99 (+1.2%). carpool's C kernels (int8 activations, the checkpoint's Q4_1
 # layers and Q8_0 LM head kept exactly): bf16 0.978 / 23.79; int8 0.976 / 23.85 (+0.2%); int4
 # 0.981 / 24.20 (+1.7%).
-@pytest.mark.parametrize("mode, min_top1, max_ppl_ratio", [pytest.param("int8", 0.95, 1.03, marks=pytest.mark.slow), ("int4", 0.90, 1.15)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, min_top1, max_ppl_ratio", [("int8", 0.95, 1.03), ("int4", 0.90, 1.15)])
 def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality, mode, min_top1,
                                             max_ppl_ratio):
     engine = LLMEngine(model=model_path, dtype="bfloat16", quantization=mode, kv_cache_memory=32 << 20)

@@ -63,6 +63,7 @@ def test_each_kind_of_constraint_holds(llm):
     assert outs["grammar"].text in ("yes", "no", "maybe")
 
 
+@pytest.mark.slow
 def test_sampled_outputs_hold_too(llm):
     prompt = chat_prompt(llm, "Invent three users as JSON.")
     params = SamplingParams(n=3, max_tokens=120, temperature=1.0, seed=3, structured_outputs=constrained(json=PERSON))
