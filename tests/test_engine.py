@@ -25,13 +25,13 @@ def prompts(engine_fp32):
 
 @pytest.fixture(scope="module")
 def alone(engine_fp32, prompts):
-    return [run_greedy(engine_fp32, [p], 16)[0] for p in prompts]
+    return [run_greedy(engine_fp32, [p], 8)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [32, pytest.param(128, marks=pytest.mark.slow), pytest.param(512, marks=pytest.mark.slow)])
 def test_batch_invariance(engine_fp32, prompts, alone, budget):
     with scheduler_config(engine_fp32, budget=budget):
-        together = run_greedy(engine_fp32, prompts, 16)
+        together = run_greedy(engine_fp32, prompts, 8)
         stats = list(engine_fp32.iteration_stats)[-10:]
     assert together == alone
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in stats)
@@ -40,8 +40,8 @@ def test_batch_invariance(engine_fp32, prompts, alone, budget):
 
 def test_preemption_keeps_outputs(engine_fp32, prompts, alone):
     before = engine_fp32.scheduler.num_preemptions
-    with scheduler_config(engine_fp32, budget=128, num_blocks=24) as engine:  # 384 tokens for ~1.4k needed
-        out = run_greedy(engine, prompts, 16)
+    with scheduler_config(engine_fp32, budget=128, num_blocks=24) as engine:  # 384 tokens for ~1.8k needed
+        out = run_greedy(engine, prompts, 8)
         preemptions = engine.scheduler.num_preemptions
         assert engine.block_manager.num_free_blocks == 24
     assert out == alone

@@ -215,8 +215,9 @@ def test_the_runner_picks_the_path_per_step(engine):
     assert_untouched(engine.model)
 
 
-def test_enforce_eager_compiles_nothing(model_path):
-    engine = LLMEngine(model=model_path, dtype="float32", kv_cache_memory=16 << 20, enforce_eager=True)
+def test_enforce_eager_compiles_nothing(tmp_path, engine_fp32):
+    write_checkpoint(tmp_path, "llama", engine_fp32.tokenizer)  # the flag's path, on a tiny model
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, enforce_eager=True)
     assert engine.runner.compiled is None
     assert_untouched(engine.model)
 
