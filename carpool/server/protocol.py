@@ -50,6 +50,9 @@ StrictInt = Annotated[int, Field(strict=True)]
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 TokenIds = list[TokenId]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+# A logit_bias key: a token id written in ASCII decimal digits. The pattern (also in the OpenAPI
+# schema) is what makes `int(key)` safe: str.isdigit() also passes "²" and 5,000-digit numbers.
+LogitBiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 
 
@@ -133,7 +136,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+    logit_bias: Annotated[dict[LogitBiasKey, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # token id (as text) -> bias
     allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -153,6 +156,11 @@ class _SamplingFields(_Strict):
     best_of: StrictInt | None = None
 
     @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids (the key pattern has checked they are)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
@@ -163,8 +171,6 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"{name}: not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.logit_bias and not all(k.isdigit() for k in self.logit_bias):
-            raise ValueError("logit_bias: keys must be token ids")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -236,7 +236,6 @@ class ServingContext:
         """One choice's parameters; `prompt_logprobs` defaults to the request's own field."""
         if req.min_tokens > max_tokens:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
-        logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
         d = self.sampling_defaults
         seed = None
         if req.seed is not None:  # choice j draws with seed + j, wrapped into the 64-bit range
@@ -259,7 +258,7 @@ class ServingContext:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                logit_bias=logit_bias,
+                logit_bias=req.logit_bias_ids,
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,

@@ -52,6 +52,12 @@ def assert_400(r: httpx.Response, param: str) -> None:
     ('{"prompt": "Hi", "seed": 18446744073709551616}', "seed"),
     ('{"prompt": "Hi", "stop_token_ids": [49152]}', "stop_token_ids"),
     ('{"prompt": "Hi", "stop_token_ids": [-1]}', "stop_token_ids"),
+    # keys str.isdigit() passes but int() refuses (or takes too long over)
+    ('{"prompt": "Hi", "logit_bias": {"\u00b2": 1}}', "logit_bias"),
+    ('{"prompt": "Hi", "logit_bias": {"\u0663": 1}}', "logit_bias"),
+    ('{"prompt": "Hi", "logit_bias": {"' + "9" * 5000 + '": 1}}', "logit_bias"),
+    ('{"prompt": "Hi", "logit_bias": {" 5": 1}}', "logit_bias"),
+    ('{"prompt": "Hi", "logit_bias": {"-5": 1}}', "logit_bias"),
 ])
 async def test_bad_numbers_are_400_naming_the_field(http, raw, param):
     assert_400(await apost(http, "/v1/completions", raw), param)
