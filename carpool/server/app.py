@@ -59,12 +59,16 @@ class ApiKeyMiddleware:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def authorized(self, auth: bytes) -> bool:
+        """`Bearer KEY`; the scheme's name is case-insensitive (RFC 7235), the key is not."""
+        scheme, _, key = auth.partition(b" ")
+        return hmac.compare_digest(key, self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.PROTECTED):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            if not self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 await _send_error(scope, receive, send, 401,
                                   "invalid or missing API key (send 'Authorization: Bearer KEY')",
                                   {"WWW-Authenticate": "Bearer"})

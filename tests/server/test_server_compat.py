@@ -113,5 +113,8 @@ async def test_api_key(make_http):
         assert (await s.post("/tokenize", json={"prompt": "x"})).status_code == 401
         assert (await s.get("/health")).status_code == 200  # probes need no key
         assert (await s.get("/metrics")).status_code == 200
-        r = await s.get("/v1/models", headers={"Authorization": "Bearer sekret"})
-        assert r.status_code == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+            r = await s.get("/v1/models", headers={"Authorization": f"{scheme} sekret"})
+            assert r.status_code == 200, scheme
+        for auth in ("bearer SEKRET", "Basic sekret", "sekret", "Bearer  sekret", "Bearer"):
+            assert (await s.get("/v1/models", headers={"Authorization": auth})).status_code == 401, auth
