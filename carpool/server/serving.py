@@ -188,10 +188,11 @@ class ServingContext:
             log.warning("ignoring unknown request field(s): %s", ", ".join(new))
 
     def check_model(self, name: str | None) -> None:
+        """An unknown model is a 404, as vLLM and OpenAI answer it (OpenAI's code)."""
         if name is not None and name not in self.served_model_names:
             raise APIError(f"The model `{name}` does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.served_model_names)}",
-                           param="model", code="model_not_found")
+                           404, param="model", code="model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

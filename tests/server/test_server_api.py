@@ -446,7 +446,6 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [5, 10**9]}, "prompt"),
     ("completions", {}, "prompt"),
@@ -457,6 +456,18 @@ BAD = [
     ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": MESSAGES, "n": -3}, "n"),
 ]
+
+
+async def test_unknown_model_is_404(http):
+    """As vLLM answers it; the openai client raises NotFoundError on the status."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MESSAGES}),
+                       ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        r = await http.post(path, json=dict(body, model="gpt-4"))
+        assert r.status_code == 404, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "`gpt-4` does not exist" in err["message"]
+    r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "model": MODEL_NAME})
+    assert r.status_code == 200
 
 
 @pytest.mark.parametrize("route,body,param", BAD, ids=[f"{r}-{p}" for r, _, p in BAD])
@@ -478,8 +489,6 @@ async def test_bad_json_and_context_overflow(http):
     assert r.json()["error"]["param"] == "prompt" and r.json()["error"]["code"] == "context_length_exceeded"
     r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": limit})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     # ...and the server keeps serving.
     r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 3
