@@ -230,7 +230,7 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
         ctx.check_model(req.model)
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools)
+            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
         else:
             ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

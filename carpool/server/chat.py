@@ -34,7 +34,7 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     tools = req.tool_dicts
     if tools and req.effective_tool_choice == "auto" and not ctx.options.enable_auto_tool_choice:
         raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
-    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools)
+    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
     if not ids:
         raise APIError("messages: the conversation has no tokens", param="messages")
     if req.truncate_prompt_tokens:

@@ -25,6 +25,7 @@ class ServerOptions:
     max_request_body_bytes: int = 2 << 20
     metrics_namespace: str = "carpool"  # or "vllm": the same metrics under vLLM's names
     chat_template: str | None = None  # a Jinja template (or a file holding one) instead of the model's
+    default_chat_template_kwargs: dict | None = None  # template variables; a request's chat_template_kwargs win
     allowed_origins: list[str] | None = None  # CORS; none by default (same-origin only)
     allow_credentials: bool = False
     allowed_methods: list[str] | None = None
@@ -81,6 +82,18 @@ def json_list(text: str) -> list[str]:
     return value
 
 
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerOptions()
     g = p.add_argument_group("server (named as in vllm serve)")
@@ -104,6 +117,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "and gateways that read vllm:num_requests_waiting work unchanged")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the model's own)")
+    g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   help='chat template variables for every chat request, as a JSON object, e.g. '
+                        '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs override them')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='answer tool_choice "auto" (the default when tools are given) by parsing the '
                         "model's calls out of its text; needs --tool-call-parser")

@@ -336,6 +336,7 @@ class ChatCompletionRequest(_SamplingFields):
     # None: "auto" when tools are given, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, e.g. enable_thinking
 
     @model_validator(mode="after")
     def _check(self):
@@ -373,6 +374,7 @@ class TokenizeRequest(_Strict):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None  # with messages, as chat does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self):

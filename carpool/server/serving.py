@@ -41,11 +41,16 @@ from carpool.server.protocol import APIError, error_body
 from carpool.structured.grammar import GrammarError
 from carpool.structured.masks import GRAMMAR_REFUSED
 from carpool.tools.parsers import get_tool_parser
-from carpool.tools.template import apply_chat_template
+from carpool.tools.template import _variables, apply_chat_template, template_source
 
 log = logging.getLogger("carpool.server")
 
 RETRY_AFTER_SECONDS = 1
+# transformers' apply_chat_template parameters: a chat_template_kwargs key may not set these
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
 DISCONNECT_POLL_SECONDS = 0.5
 ENGINE_FAILED = "the engine failed while generating this request; see the server log (request id {})"
 
@@ -209,12 +214,23 @@ class ServingContext:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def template_kwargs(self, request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """--default-chat-template-kwargs, then the request's: only the variables the template
+        reads, never one of apply_chat_template's own arguments (a request must not turn
+        `tokenize` or `return_dict` into something the server does not expect), as vLLM filters them."""
+        merged = {**(self.options.default_chat_template_kwargs or {}), **(request_kwargs or {})}
+        if not merged:
+            return {}
+        known = _variables(template_source(self.tokenizer, self.chat_template))
+        return {k: v for k, v in merged.items() if k in known and k not in TEMPLATE_ARGUMENTS}
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         fmt = get_tool_parser(self.options.tool_call_parser or "hermes")
         try:
             return apply_chat_template(self.tokenizer, [m.to_template() for m in messages], tools=tools,
                                        chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                                       tool_format=fmt)
+                                       tool_format=fmt, chat_template_kwargs=self.template_kwargs(chat_template_kwargs))
         except Exception as exc:  # the template itself may reject a conversation
             log.info("chat template rejected a conversation: %s", exc)
             raise APIError("messages: the model's chat template rejected this conversation "

@@ -118,3 +118,35 @@ async def test_api_key(make_http):
             assert r.status_code == 200, scheme
         for auth in ("bearer SEKRET", "Basic sekret", "sekret", "Bearer  sekret", "Bearer"):
             assert (await s.get("/v1/models", headers={"Authorization": auth})).status_code == 401, auth
+
+
+THINKING_TEMPLATE = "{% if enable_thinking %}<think>{% endif %}[{{ messages[-1].content }}]"
+
+
+async def test_chat_template_kwargs(make_http):
+    """The request's chat_template_kwargs reach the template, over --default-chat-template-kwargs;
+    keys the template does not read, or that are apply_chat_template's own arguments, are dropped."""
+    async with make_http(chat_template=THINKING_TEMPLATE, default_chat_template_kwargs={"enable_thinking": True}) as s:
+        async def rendered(**body) -> str:
+            r = await s.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **body})
+            assert r.status_code == 200, r.text
+            return s.ctx.tokenizer.decode(r.json()["tokens"])
+
+        assert await rendered() == "<think>[hi]"  # the server's default
+        assert await rendered(chat_template_kwargs={"enable_thinking": False}) == "[hi]"
+        assert await rendered(chat_template_kwargs={"return_dict": True, "tokenize": False, "unused": 1}) == "<think>[hi]"
+        r = await s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(s.ctx.tokenizer.encode("[hi]"))
+        r = await s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == len(s.ctx.tokenizer.encode("<think>[hi]"))
+
+
+def test_default_chat_template_kwargs_flag():
+    from carpool.cli import build_parser
+    from carpool.server.options import ServerOptions
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert ServerOptions.from_args(args).default_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m.gguf", "--default-chat-template-kwargs", "[1]"])
