@@ -350,15 +350,19 @@ class ServingContext:
                usage_chunk: Callable[[int, dict[int, int]], dict] | None) -> Response:
         """Server-sent events: the `first` chunks, then `chunk(index, delta)` for every delta
         (None: nothing to send yet), then `usage_chunk(completion tokens, cached prompt tokens
-        by choice)` if given (include_usage), then `[DONE]`. An engine failure becomes an error
-        event; the group is aborted whenever the stream ends, however it ends."""
+        by choice)` if given (include_usage), then `[DONE]`. The `first` chunks go out with the
+        first output, not when the request is accepted: clients time the first token by the first
+        event, as they do on vLLM. An engine failure becomes an error event; the group is aborted
+        whenever the stream ends, however it ends."""
 
         async def events() -> AsyncIterator[str]:
             completion_tokens, cached = 0, {}
+            pending = list(first)
             try:
-                for obj in first:
-                    yield sse(obj)
                 async for index, delta in group:
+                    for obj in pending:
+                        yield sse(obj)
+                    pending = []
                     if delta.error:
                         yield sse(error_body(*generation_error(request_id, delta.error)))
                         break

@@ -493,3 +493,44 @@ async def test_bad_json_and_context_overflow(http):
     r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 3
     assert http.wait_idle()
+
+
+async def test_role_chunk_waits_for_the_first_token(scripted, anyio_backend):
+    """The stream's first event (the role chunk) goes out with the first token, not when the
+    request is accepted: a waiting request has sent its headers and no event yet."""
+    from carpool.server.app import create_app
+    from carpool.server.options import ServerOptions
+
+    app = create_app(scripted, ServerOptions(served_model_name=[MODEL_NAME]))
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "scheme": "http", "client": ("127.0.0.1", 1), "server": ("scripted", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    requests = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        sent.append(message)
+
+    async with app.router.lifespan_context(app):
+        scripted.paused = True
+        task = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(200):
+            if scripted.num_waiting and sent:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert scripted.num_waiting == 1 and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert not any(m.get("body") for m in sent), sent  # accepted, waiting: no event yet
+        scripted.paused = False
+        await asyncio.wait_for(task, 10)
+    text = b"".join(m.get("body", b"") for m in sent).decode()
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:]] == [" Paris", " is"]
