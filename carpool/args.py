@@ -38,7 +38,10 @@ IGNORED: dict[str, str] = {
     "download_dir": "nothing is downloaded",
     "task": "carpool only generates",
     "compilation_config": "carpool compiles with Inductor's defaults (--enforce-eager to turn it off)",
+    "kv_cache_dtype": "the KV cache is kept in the model's dtype",
 }
+# vLLM arguments whose only value here is this one: accepted without a warning.
+DEFAULT_ONLY: dict[str, Any] = {"kv_cache_dtype": "auto"}
 _warned: set[str] = set()
 
 # Fields set another way: the environment (torchrun's rendezvous) or their default.
@@ -77,8 +80,9 @@ def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
         elif key in MAPPED:
             name, convert = MAPPED[key]
             values[name] = None if value is None else convert(value)
-        else:
-            warn_ignored(key, IGNORED.get(key, "not a carpool engine argument"))
+        elif key not in DEFAULT_ONLY or value != DEFAULT_ONLY[key]:
+            warn_ignored(f"{key}={value!r}" if key in DEFAULT_ONLY else key,
+                         IGNORED.get(key, "not a carpool engine argument"))
     if kwargs.get("enable_chunked_prefill") is False:
         warn_ignored("enable_chunked_prefill=False", "chunked prefill is how carpool schedules; use "
                      "scheduler='vllm' for whole-prompt prefills")
@@ -97,7 +101,7 @@ def add_vllm_engine_flags(p) -> None:
     g = p.add_argument_group("accepted from vllm serve (mapped, or ignored with a warning)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="same as --kv-cache-memory, in bytes")
     for flag in ("--gpu-memory-utilization", "--tokenizer", "--tokenizer-mode", "--swap-space", "--revision",
-                 "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb"):
+                 "--download-dir", "--max-seq-len-to-capture", "--cpu-offload-gb", "--kv-cache-dtype"):
         g.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--trust-remote-code", "--disable-custom-all-reduce"):
         g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
@@ -112,8 +116,9 @@ def apply_vllm_engine_flags(args, config: EngineConfig) -> EngineConfig:
         config = replace(config, kv_cache_memory=args.kv_cache_memory_bytes)
     for name, why in IGNORED.items():
         value = getattr(args, name, None)
-        if value is not None and not (name == "tokenizer" and value == config.model):
-            warn_ignored(f"--{name.replace('_', '-')}", why)
+        if value is not None and not (name == "tokenizer" and value == config.model) and value != DEFAULT_ONLY.get(name):
+            flag = f"--{name.replace('_', '-')}"
+            warn_ignored(f"{flag} {value}" if name in DEFAULT_ONLY else flag, why)
     if getattr(args, "enable_chunked_prefill", None) is False:
         warn_ignored("--no-enable-chunked-prefill", "chunked prefill is how carpool schedules; use "
                      "--scheduler vllm for whole-prompt prefills")

@@ -47,6 +47,15 @@ BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": Cha
                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
+def route_path(scope) -> str:
+    """The path the routes see: behind --root-path a proxy may pass "/api/v1/models" on
+    unchanged, and the guards must protect it as "/v1/models" (as Starlette's routing matches it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):]
+    return path
+
+
 async def _send_error(scope, receive, send, status: int, message: str,
                       headers: dict[str, str] | None = None) -> None:
     await JSONResponse(error_body(message, status), status_code=status, headers=headers)(scope, receive, send)
@@ -67,7 +76,7 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(key, self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.PROTECTED):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope).startswith(self.PROTECTED):
             if not self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 await _send_error(scope, receive, send, 401,
                                   "invalid or missing API key (send 'Authorization: Bearer KEY')",
@@ -87,7 +96,7 @@ class RequestGuard:
         self.paths = paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -161,7 +170,11 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
             ctx.close()
             await asyncio.to_thread(client.shutdown)
 
-    app = FastAPI(title="carpool", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No /docs or /redoc page (they load their scripts from a CDN); the schema at /openapi.json
+    # unless --disable-fastapi-docs.
+    app = FastAPI(title="carpool", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None if options.disable_fastapi_docs else "/openapi.json")
+    app.root_path = options.root_path  # set on every request's scope, so any server (or test transport) gets it
     app.openapi = lambda: _openapi(app)
     app.state.ctx = ctx
     app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes, paths=frozenset(BODY_MODELS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 from fastapi import Request
@@ -31,6 +32,8 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     ctx.warn_unknown_fields(req)
     ctx.check_model(req.model)
     ctx.check_num_choices(1, req.n)
+    ctx.check_logprobs(req.top_logprobs, "top_logprobs")
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     tools = req.tool_dicts
     if tools and req.effective_tool_choice == "auto" and not ctx.options.enable_auto_tool_choice:
         raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
@@ -73,15 +76,16 @@ def tool_calls_delta(calls: list[ToolCallDelta], parallel: bool) -> list[dict]:
     return [c.to_openai() for c in calls if parallel or c.index == 0]
 
 
-def logprobs_content(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
+def logprobs_content(name: Callable[[int], str], token_ids: list[int], entries: list[dict[int, Logprob]],
                      top: int) -> list[dict]:
+    """`name`: a token's text as the request wants it (ServingContext.token_namer)."""
     content = []
     for t, d in zip(token_ids, entries):
-        s = ctx.token_str(t)
+        s = name(t)
         best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:top]
         content.append({"token": s, "logprob": finite(d[t].logprob), "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": ctx.token_str(k), "logprob": finite(v.logprob),
-                                          "bytes": list(ctx.token_str(k).encode())} for k, v in best]})
+                        "top_logprobs": [{"token": name(k), "logprob": finite(v.logprob),
+                                          "bytes": list(name(k).encode())} for k, v in best]})
     return content
 
 
@@ -98,6 +102,7 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
         raise APIError(f"tools: the function parameters are not a JSON schema that can be enforced: {detail}",
                        param="tools") from None
     top = req.top_logprobs or 0
+    name, role = ctx.token_namer(req), ctx.options.response_role
     # With echo, an assistant message at the end is continued: its text leads the answer.
     echo = req.messages[-1].text() if req.echo and req.messages[-1].role == "assistant" else ""
     created = int(time.time())
@@ -105,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     if req.stream:
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
         extra = {"usage": None} if req.stream_options and req.stream_options.include_usage else {}
-        first = [dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": echo},
+        first = [dict(base, choices=[{"index": i, "delta": {"role": role, "content": echo},
                                       "logprobs": None, "finish_reason": None}], **extra)
                  for i in range(len(group))]
 
@@ -129,7 +134,7 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
                       if req.prompt_logprobs is not None and d.prompt_logprobs is not None else {})
             if not delta and not d.finished and not (req.logprobs and d.token_ids) and not scored:
                 return None
-            lp = {"content": logprobs_content(ctx, d.token_ids, d.logprobs, top)} if req.logprobs else None
+            lp = {"content": logprobs_content(name, d.token_ids, d.logprobs, top)} if req.logprobs else None
             choice = {"index": i, "delta": delta, "logprobs": lp,
                       "finish_reason": finish_reason(d.finish_reason, called[i]) if d.finished else None,
                       "stop_reason": d.stop_reason if d.finished else None}
@@ -143,17 +148,17 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     finals = await ctx.collect(group, raw, p.request_id)
     choices = []
     for i, c in enumerate(finals):
-        message, called = {"role": "assistant", "content": echo + c.text}, False
+        message, called = {"role": role, "content": echo + c.text}, False
         parser = tool_parser(ctx, req)
         if parser is not None:
             parsed = parser.parse(c.text)
             calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
             if calls:
                 called = True
-                message = {"role": "assistant", "content": (echo + (parsed.content or "")) or None,
+                message = {"role": role, "content": (echo + (parsed.content or "")) or None,
                            "tool_calls": [call.to_openai() for call in calls]}
         choices.append({"index": i, "message": message,
-                        "logprobs": {"content": logprobs_content(ctx, c.token_ids, c.logprobs, top)}
+                        "logprobs": {"content": logprobs_content(name, c.token_ids, c.logprobs, top)}
                         if req.logprobs else None,
                         "finish_reason": finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
     return JSONResponse({"id": p.request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,

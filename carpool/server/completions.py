@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,8 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     ctx.check_model(req.model)
     raw_prompts = req.prompts()
     ctx.check_num_choices(len(raw_prompts), req.n)
+    ctx.check_logprobs(req.logprobs, "logprobs")
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     prompts = []
     for p in raw_prompts:
@@ -44,20 +47,21 @@ def prepare(ctx: ServingContext, body: bytes) -> Prepared:
     return Prepared(req, prompts, entries, request_id=f"cmpl-{uuid.uuid4().hex}")
 
 
-def logprobs_body(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob] | None],
-                  text_offset: int) -> dict[str, list]:
+def logprobs_body(ctx: ServingContext, name: Callable[[int], str], token_ids: list[int],
+                  entries: list[dict[int, Logprob] | None], text_offset: int) -> dict[str, list]:
+    """`name`: a token as the request wants it written (ServingContext.token_namer); the
+    offsets are into the text whatever the names."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, d in zip(token_ids, entries):
-        s = ctx.token_str(t)
-        out["tokens"].append(s)
+        out["tokens"].append(name(t))
         out["text_offset"].append(text_offset)
-        text_offset += len(s)
+        text_offset += len(ctx.token_str(t))
         if d is None:  # the first prompt token under echo: nothing precedes it
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
             out["token_logprobs"].append(finite(d[t].logprob))
-            out["top_logprobs"].append({ctx.token_str(k): finite(v.logprob) for k, v in d.items()})
+            out["top_logprobs"].append({name(k): finite(v.logprob) for k, v in d.items()})
     return out
 
 
@@ -68,6 +72,7 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
     group = await ctx.submit(p, arrival, "prompt")
     base = {"id": p.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     want_lp = req.logprobs is not None
+    name = ctx.token_namer(req)
 
     def echoed(choice: int, text: str, ids: list[int], lps: list, prompt_lps: list | None
                ) -> tuple[str, list[int], list]:
@@ -91,7 +96,7 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
             started[i] = True
             if not text and not d.finished and not ids:  # a token with held text still gets its chunk
                 return None
-            logprobs = logprobs_body(ctx, ids, lps, offsets[i]) if want_lp else None
+            logprobs = logprobs_body(ctx, name, ids, lps, offsets[i]) if want_lp else None
             offsets[i] += len(text)
             choice = {"index": i, "text": text, "logprobs": logprobs,
                       "finish_reason": d.finish_reason if d.finished else None,
@@ -111,7 +116,7 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
         if req.echo:
             text, ids, lps = echoed(i, text, ids, lps, c.prompt_logprobs)
         choices.append({"index": i, "text": text,
-                        "logprobs": logprobs_body(ctx, ids, lps, 0) if want_lp else None,
+                        "logprobs": logprobs_body(ctx, name, ids, lps, 0) if want_lp else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                         **scored_prompt(c.prompt_logprobs)})
     return JSONResponse(dict(base, choices=choices,

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from carpool.server.protocol import MAX_N
+from carpool.server.protocol import MAX_LOGPROBS, MAX_N
 from carpool.tools.parsers import TOOL_PARSERS, get_tool_parser
 
 
@@ -38,6 +38,11 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
+    root_path: str = ""  # the path prefix a proxy serves the app under (FastAPI's root_path)
+    response_role: str = "assistant"  # the role of the message chat responses carry
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (a request may say otherwise)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / top_logprobs / prompt_logprobs a request may ask for
+    disable_fastapi_docs: bool = False  # no /openapi.json (carpool serves no /docs or /redoc UI either way)
 
     def __post_init__(self) -> None:
         if self.max_choices_per_request < 1:
@@ -50,6 +55,10 @@ class ServerOptions:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError("root_path must start with '/' and not end with one, e.g. /api")
 
     def model_names(self, model_path: str) -> list[str]:
         """Names clients may ask for: --served-model-name, else the model's repo id or file or
@@ -142,3 +151,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--root-path", default=d.root_path,
+                   help="the path prefix a reverse proxy serves this server under, e.g. /api (FastAPI's root_path)")
+    g.add_argument("--response-role", default=d.response_role,
+                   help=f"the role of the message in chat responses (default: {d.response_role})")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write logprob tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help=f"the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
+                        f"(default and most: {MAX_LOGPROBS})")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="do not serve the OpenAPI schema at /openapi.json (no /docs or /redoc page is served "
+                        "either way)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
+                        "reported")

@@ -72,7 +72,7 @@ class StreamOptions(_Strict):
 # is refused on /v1/completions alone.
 UNSUPPORTED_FIELDS = frozenset({
     "guided_decoding_backend", "use_beam_search", "length_penalty",
-    "logits_processors", "return_tokens_as_token_ids", "functions", "function_call", "tool_choice",
+    "logits_processors", "functions", "function_call", "tool_choice",
     "prediction", "vllm_xargs",
 })
 HARMLESS_VALUES = (None, False, "none", "auto")  # e.g. tool_choice "none" changes nothing
@@ -132,6 +132,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -185,6 +185,20 @@ class ServingContext:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_namer(self, req) -> Callable[[int], str]:
+        """How a request's logprobs name tokens: their text, or "token_id:N" (vLLM's
+        return_tokens_as_token_ids, for tokens whose text is not valid UTF-8 on its own)."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.options.return_tokens_as_token_ids:
+            return lambda t: f"token_id:{t}"
+        return self.token_str
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        limit = self.options.max_logprobs
+        if value is not None and value > limit:
+            raise APIError(f"{param}: {value} asked for; this server allows at most {limit} (--max-logprobs)",
+                           param=param)
+
     def warn_unknown_fields(self, req) -> None:
         """Fields nobody here knows are ignored (as vLLM does); say so once per field name."""
         new = [f for f in req.unknown_fields if f not in self._warned_fields]

@@ -150,3 +150,106 @@ def test_default_chat_template_kwargs_flag():
     assert ServerOptions.from_args(args).default_chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m.gguf", "--default-chat-template-kwargs", "[1]"])
+
+
+# ------------------------------------------------------------------ vLLM's server flags
+async def test_root_path_keeps_the_guards(make_http):
+    """Behind --root-path a proxy may pass /api/v1/... on unchanged: it is routed, and the API
+    key and the body guard cover it as they cover /v1/..."""
+    async with make_http(root_path="/api", api_key="k") as s:
+        key = {"Authorization": "Bearer k"}
+        for path in ("/api/v1/models", "/v1/models"):
+            assert (await s.get(path)).status_code == 401, path
+            assert (await s.get(path, headers=key)).status_code == 200, path
+        r = await s.post("/api/v1/completions", content=b'{"prompt": "Hi"}', headers=dict(key, **{"Content-Type": "text/plain"}))
+        assert r.status_code == 415
+        r = await s.post("/api/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=key)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+        assert (await s.get("/api/health")).status_code == 200
+
+
+async def test_response_role(make_http):
+    async with make_http(response_role="bot") as s:
+        r = await s.post("/v1/chat/completions", json=CHAT)
+        assert r.json()["choices"][0]["message"]["role"] == "bot"
+        r = await s.post("/v1/chat/completions", json=dict(CHAT, stream=True))
+        first = json.loads(r.text.splitlines()[0][6:])
+        assert first["choices"][0]["delta"]["role"] == "bot"
+
+
+def _names(body: dict) -> list[str]:
+    """Every token name in a completion's or a chat completion's logprobs."""
+    lp = body["choices"][0]["logprobs"]
+    if "content" in lp:
+        return [n for c in lp["content"] for n in [c["token"]] + [t["token"] for t in c["top_logprobs"]]]
+    return lp["tokens"] + [k for top in lp["top_logprobs"] for k in top]
+
+
+async def test_return_tokens_as_token_ids(make_http):
+    chat = dict(CHAT, logprobs=True, top_logprobs=2)
+    completion = {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}
+    async with make_http(return_tokens_as_token_ids=True) as s:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            r = (await s.post(path, json=body)).json()
+            names = _names(r)
+            assert len(names) >= 6 and all(n.startswith("token_id:") and n[9:].isdigit() for n in names), names
+            ids = [int(n[9:]) for n in names]
+            assert all(0 <= t < s.ctx.vocab_size for t in ids)
+            plain = _names((await s.post(path, json=dict(body, return_tokens_as_token_ids=False))).json())
+            assert plain == [s.ctx.token_str(t) for t in ids]  # the same tokens, by their text
+    async with make_http() as s:
+        r = (await s.post("/v1/completions", json=dict(completion, return_tokens_as_token_ids=True))).json()
+        assert all(n.startswith("token_id:") for n in _names(r))
+        assert not any(n.startswith("token_id:") for n in _names((await s.post("/v1/completions", json=completion)).json()))
+
+
+async def test_max_logprobs(make_http):
+    async with make_http(max_logprobs=2) as s:
+        for path, body, param in (("/v1/chat/completions", dict(CHAT, logprobs=True, top_logprobs=3), "top_logprobs"),
+                                  ("/v1/completions", {"prompt": "Hi", "logprobs": 3}, "logprobs"),
+                                  ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 3}, "prompt_logprobs")):
+            r = await s.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "--max-logprobs" in r.json()["error"]["message"]
+        r = await s.post("/v1/completions", json={"prompt": "Hi", "logprobs": 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
+    from carpool.server.options import ServerOptions
+
+    assert ServerOptions().max_logprobs == 20  # vLLM's default
+    with pytest.raises(ValueError):
+        ServerOptions(max_logprobs=21)
+
+
+async def test_openapi_and_docs(make_http):
+    async with make_http() as s:
+        assert (await s.get("/openapi.json")).status_code == 200
+        assert (await s.get("/docs")).status_code == 404  # no docs page: its scripts would come from a CDN
+    async with make_http(disable_fastapi_docs=True) as s:
+        assert (await s.get("/openapi.json")).status_code == 404
+        assert (await s.get("/v1/models")).status_code == 200
+
+
+def test_vllm_server_flags_parse(caplog):
+    from carpool.args import _warned, apply_vllm_engine_flags
+    from carpool.cli import build_parser, engine_config
+    from carpool.server.options import ServerOptions
+
+    def parse(*flags):
+        args = build_parser().parse_args(["serve", "m.gguf", *flags])
+        args.model = args.model_tag
+        return args, ServerOptions.from_args(args)
+
+    args, options = parse("--root-path", "/api", "--response-role", "bot", "--return-tokens-as-token-ids",
+                          "--max-logprobs", "5", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
+                          "--kv-cache-dtype", "auto")
+    assert (options.root_path, options.response_role, options.return_tokens_as_token_ids, options.max_logprobs,
+            options.disable_fastapi_docs) == ("/api", "bot", True, 5, True)
+    caplog.set_level(logging.WARNING, logger="carpool")
+    _warned.discard("--kv-cache-dtype fp8")
+    apply_vllm_engine_flags(args, engine_config(args))
+    assert "kv-cache-dtype" not in " ".join(caplog.messages)  # auto: what carpool does anyway
+    args, _ = parse("--kv-cache-dtype", "fp8")
+    apply_vllm_engine_flags(args, engine_config(args))
+    assert sum("--kv-cache-dtype fp8" in m for m in caplog.messages) == 1
+    _, defaults = parse()
+    assert (defaults.root_path, defaults.response_role, defaults.max_logprobs) == ("", "assistant", 20)
