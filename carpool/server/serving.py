@@ -241,10 +241,11 @@ class ServingContext:
     def apply_chat_template(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         fmt = get_tool_parser(self.options.tool_call_parser or "hermes")
+        kwargs = self.template_kwargs(chat_template_kwargs)
         try:
             return apply_chat_template(self.tokenizer, [m.to_template() for m in messages], tools=tools,
                                        chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                                       tool_format=fmt, chat_template_kwargs=self.template_kwargs(chat_template_kwargs))
+                                       tool_format=fmt, **({"chat_template_kwargs": kwargs} if kwargs else {}))
         except Exception as exc:  # the template itself may reject a conversation
             log.info("chat template rejected a conversation: %s", exc)
             raise APIError("messages: the model's chat template rejected this conversation "
