@@ -23,6 +23,7 @@ from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_me
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
 from carpool.executor import Executor, ExecutorError, make_executor
+from carpool.inputs import PromptType, parse_prompt
 from carpool.model.loader import hf_generation_config
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
@@ -131,9 +132,10 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError (and holds nothing) if it is bad."""
+        """Validate and queue a request. `prompt` is text, token ids, or vLLM's TextPrompt /
+        TokensPrompt dict (carpool/inputs.py). Raises ValueError (and holds nothing) if it is bad."""
         if self._dead is not None:
             raise ExecutorError(self._dead)
         sp = sampling_params or self.default_sampling_params()
@@ -142,9 +144,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and not prompt:
+        text, ids = parse_prompt(prompt)
+        if ids is None and not text:
             raise ValueError("the prompt is empty")
-        ids = self.tokenize_prompt(prompt)
+        ids = self.tokenize_prompt(text if ids is None else ids)
         if not ids:
             raise ValueError("the prompt is empty")
         if sp.truncate_prompt_tokens is not None:
@@ -162,7 +165,7 @@ class LLMEngine:
             bad = [t for t in getattr(sp, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request = Request(request_id, ids, sp, prompt=prompt if isinstance(prompt, str) else None,
+        request = Request(request_id, ids, sp, prompt=text,
                           eos_token_ids=self.eos_token_ids)
         for word in sp.bad_words or ():
             for variant in (word, " " + word.lstrip()):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from carpool.request import Request, RequestStatus
+from carpool.sampling_params import RequestOutputKind
 from carpool.tokenizer import IncrementalDetokenizer
 
 
@@ -57,7 +58,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's progress after one step, in vLLM's shape: `outputs[i]` is choice i, whose
     `text`, `token_ids` and `logprobs` are everything generated so far, or, with
-    `output_kind="delta"`, only what this step added (so that no step copies a whole output).
+    `output_kind="delta"`, only what this step added (so that no step copies a whole output);
+    "final_only" outputs are cumulative.
 
     `new_text`, `new_token_ids` and `new_logprobs` are what this step added to choice 0 whatever
     the output kind (the engine runs one choice per request; `LLM.generate` merges choices), and
@@ -175,7 +177,7 @@ class OutputProcessor:
         new_text = text[sent_chars:visible]
         new_ids = request.token_ids[request.num_prompt_tokens + sent_tokens:]
         new_lp = request.output_logprobs[sent_lp:]
-        delta = request.sampling_params.output_kind == "delta"
+        delta = request.sampling_params.output_kind == RequestOutputKind.DELTA
         choice = CompletionOutput(
             index=0,
             text=new_text if delta else text[:visible],

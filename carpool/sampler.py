@@ -142,7 +142,8 @@ class Sampler:
 
 def logprob_entries(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[dict[int, Logprob]]:
     """Per row of log-probabilities: {token: its Logprob and rank} plus the row's `num_top`
-    most likely tokens (vLLM's layout; the chosen token comes first)."""
+    most likely tokens (vLLM's layout; the chosen token comes first); -1: every token."""
+    num_top = logprobs.shape[-1] if num_top < 0 else num_top
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])
     ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
     entries = [{t: Logprob(v, r)} for t, v, r in zip(tokens, chosen[:, 0].tolist(), ranks)]

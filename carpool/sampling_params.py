@@ -6,10 +6,12 @@ limits, so the HTTP API and the Python API refuse the same things."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
 # Beyond these, sampling is uniform noise or numerically unsafe (1/penalty overflows bf16/fp32
 # logits into inf), so they are refused rather than silently clipped.
@@ -22,10 +24,23 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds are 64-bit
 
-# "cumulative": text and token_ids hold everything generated so far (every step copies them).
-# "delta": they hold only what this step added, as `new_text` / `new_token_ids` do; streaming
-# consumers use it so that a long generation costs O(length), not O(length^2).
-OutputKind = Literal["cumulative", "delta"]
+
+class RequestOutputKind(str, Enum):
+    """What each output of a request holds (vLLM's names). A str enum, so the plain strings
+    "cumulative", "delta" and "final_only" are accepted and compare equal.
+
+    CUMULATIVE: text and token_ids hold everything generated so far (every step copies them).
+    DELTA: they hold only what this step added, as `new_text` / `new_token_ids` do; streaming
+    consumers use it so that a long generation costs O(length), not O(length^2).
+    FINAL_ONLY: only the finished output matters, as in LLM.generate, which returns nothing else;
+    LLMEngine.step() still reports the request each step, cumulatively."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -95,16 +110,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top alternatives to return beside the sampled token
+    logprobs: int | None = None  # top alternatives to return beside the sampled token; -1: the whole vocabulary
     skip_special_tokens: bool = True
-    output_kind: OutputKind = "cumulative"
+    # vLLM's flag for slow tokenizers. Accepted for compatibility; carpool detokenizes with the
+    # fast (Rust) tokenizer, which writes special tokens with nothing between them either way.
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1  # choices per prompt: LLM.generate and the server run one engine request per choice
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # words never generated (each also with a leading space)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
-    prompt_logprobs: int | None = None  # score every prompt token after the first, with this many top alternatives
+    prompt_logprobs: int | None = None  # score every prompt token after the first, with this many top alternatives (-1: all)
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON, regex, ...)
+    extra_args: dict[str, Any] | None = None  # carried along untouched, for the caller's own use
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
@@ -154,8 +173,9 @@ class SamplingParams:
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+                                          or not -1 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be -1 (the whole vocabulary) or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
@@ -174,15 +194,27 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
                                                  or not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+                                                 or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be -1 (the whole vocabulary) or an integer in "
+                             f"[0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
-        if self.output_kind not in ("cumulative", "delta"):
-            raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.value for k in RequestOutputKind]}, "
+                             f"got {self.output_kind!r}") from None
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            raise ValueError("spaces_between_special_tokens must be a bool")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: changing the copy's lists or dicts leaves this one as it was."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
-from carpool import LLM, SamplingParams
+from carpool import LLM, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
 from carpool.args import engine_config
 from carpool.outputs import CompletionOutput, Logprob
 
@@ -81,6 +82,74 @@ def test_bad_params_fail_their_prompt_only(llm):
     outs = llm.generate(["ok", "bad"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop_token_ids=[10**9])])
     assert outs[0].outputs[0].finish_reason in ("stop", "length") and outs[1].error
     assert outs[1].outputs[0].finish_reason == "error"
+
+
+def test_prompt_dicts(llm):
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    expected = llm.generate(text, sp, use_tqdm=False)[0].token_ids
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt=text), ids, text,
+                         {"prompt_token_ids": ids, "prompt": "shown"}], sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected] * 5 and not any(o.error for o in outs)
+    assert [o.prompt for o in outs] == [None, text, None, text, "shown"]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    single = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)
+    assert len(single) == 1 and single[0].token_ids == expected
+
+
+def test_unknown_prompt_key_raises_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate(["ok", {"prompt": "hi", "multi_modal_data": {}}], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"text": "hi"}, SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_template_kwargs_and_rendered_prompt(llm):
+    template = "{% for m in messages %}<{{ m.content }}>{% endfor %}{% if shout %}!{% endif %}"
+    conversation = [{"role": "user", "content": "hi"}]
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    quiet, loud = (llm.chat(conversation, sp, use_tqdm=False, chat_template=template, chat_template_kwargs=kwargs)[0]
+                   for kwargs in (None, {"shout": True}))
+    assert (quiet.prompt, loud.prompt) == ("<hi>", "<hi>!")
+    assert loud.prompt_token_ids == llm.tokenizer.encode("<hi>!", add_special_tokens=False)
+    assert llm.apply_chat_template(conversation, template, chat_template_kwargs={"shout": True}) == loud.prompt_token_ids
+    default = llm.chat(conversation, sp, use_tqdm=False)[0]
+    assert default.prompt.endswith("hi<|im_end|>\n<|im_start|>assistant\n")  # SmolLM2's template
+    assert default.prompt_token_ids == llm.apply_chat_template(conversation)
+
+
+def test_prefix_cache_reset_and_default_params(llm):
+    prompt = "one two three four five six seven eight nine ten " * 4  # several whole blocks
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate(prompt, sp, use_tqdm=False)
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens == 0
+    defaults = llm.get_default_sampling_params()
+    assert defaults == llm.llm_engine.default_sampling_params() and defaults is not llm.get_default_sampling_params()
+
+
+def test_logprobs_of_the_whole_vocabulary(llm):
+    out = llm.generate("Hello", SamplingParams(max_tokens=1, temperature=0, logprobs=-1), use_tqdm=False)[0]
+    entry = out.outputs[0].logprobs[0]
+    assert len(entry) == llm.llm_engine.model_config.vocab_size
+    assert entry[out.token_ids[0]].rank == 1
+    assert math.fsum(math.exp(lp.logprob) for lp in entry.values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_output_kinds_and_carried_fields(llm):
+    extra = {"tag": "mine"}
+    runs = [llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, output_kind=kind,
+                                                 spaces_between_special_tokens=spaces, extra_args=extra),
+                         use_tqdm=False)[0]
+            for kind, spaces in [(RequestOutputKind.CUMULATIVE, True), (RequestOutputKind.FINAL_ONLY, False)]]
+    assert runs[0].text == runs[1].text and len(runs[1].token_ids) == 3
+    request = llm.llm_engine.add_request({"prompt": "Hello"}, SamplingParams(extra_args=extra), request_id="extra")
+    assert request.sampling_params.extra_args is extra and request.prompt == "Hello"
+    llm.llm_engine.abort_request("extra")
+    assert extra == {"tag": "mine"} and not llm.llm_engine.has_unfinished_requests()
 
 
 def test_engine_arguments_are_mapped_or_ignored_with_a_warning(caplog):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import RequestOutputKind, SamplingParams
 from tests.helpers import examples
 
 BAD = [
@@ -42,7 +42,6 @@ BAD = [
     ("frequency_penalty", -3),
     ("frequency_penalty", math.nan),
     ("logprobs", 21),
-    ("logprobs", -1),
     ("logprobs", 2.0),
     ("seed", 1.5),
     ("seed", "7"),
@@ -70,6 +69,10 @@ BAD = [
     ("stop", ["y" * 257]),
     ("stop_token_ids", list(range(257))),
     ("output_kind", "final"),
+    ("logprobs", -2),
+    ("prompt_logprobs", -2),
+    ("spaces_between_special_tokens", "no"),
+    ("extra_args", ["not", "a", "dict"]),
 ]
 
 
@@ -112,6 +115,8 @@ def test_defaults_are_valid():
     dict(seed=0), dict(seed=-5), dict(seed=2**63 - 1), dict(seed=-(2**63)),
     dict(stop_token_ids=[0, 5]), dict(stop_token_ids=list(range(256))),
     dict(stop=["s" * 256] * 32), dict(output_kind="delta"),
+    dict(logprobs=-1), dict(prompt_logprobs=-1), dict(output_kind="final_only"),
+    dict(spaces_between_special_tokens=False), dict(extra_args={"tag": [1, 2]}),
 ])
 def test_boundary_values_are_accepted(kwargs):
     sp = SamplingParams(**kwargs)
@@ -148,7 +153,7 @@ def test_greedy_and_penalty_flags():
 )
 def test_validation_accepts_exactly_the_valid_region(max_tokens, min_tokens, temperature, top_p, top_k, logprobs):
     valid = (max_tokens >= 1 and 0 <= min_tokens <= max_tokens and temperature >= 0
-             and 0 < top_p <= 1 and top_k >= -1 and (logprobs is None or 0 <= logprobs <= 20))
+             and 0 < top_p <= 1 and top_k >= -1 and (logprobs is None or -1 <= logprobs <= 20))
     kwargs = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p,
                   top_k=top_k, logprobs=logprobs)
     if valid:
@@ -161,6 +166,30 @@ def test_validation_accepts_exactly_the_valid_region(max_tokens, min_tokens, tem
                                ("min_tokens", max_tokens < 1 or 0 <= min_tokens <= max_tokens),
                                ("temperature", temperature >= 0), ("top_p", 0 < top_p <= 1),
                                ("top_k", top_k >= -1),
-                               ("logprobs", logprobs is None or 0 <= logprobs <= 20)] if not ok}
+                               ("logprobs", logprobs is None or -1 <= logprobs <= 20)] if not ok}
         msg = str(exc.value)
         assert any(f in msg for f in bad), (msg, bad)
+
+
+def test_output_kind_is_vllms_enum():
+    for given in (RequestOutputKind.DELTA, "delta"):
+        assert SamplingParams(output_kind=given).output_kind is RequestOutputKind.DELTA
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
+    assert [k.name for k in RequestOutputKind] == ["CUMULATIVE", "DELTA", "FINAL_ONLY"]
+
+
+def test_clone_is_a_deep_copy():
+    sp = SamplingParams(stop=["a"], logit_bias={5: 1.0}, extra_args={"tags": ["x"]}, seed=7)
+    copy = sp.clone()
+    assert copy == sp and copy is not sp
+    copy.stop.append("b")
+    copy.logit_bias[6] = 2.0
+    copy.extra_args["tags"].append("y")
+    assert sp.stop == ["a"] and sp.logit_bias == {5: 1.0} and sp.extra_args == {"tags": ["x"]}
+
+
+def test_extra_args_are_carried_untouched():
+    extra = {"anything": object()}
+    assert SamplingParams(extra_args=extra).extra_args is extra
+    assert SamplingParams().extra_args is None

@@ -120,11 +120,17 @@ def _calls_as_text(conversation: list[dict], fmt: type[ToolParser]) -> list[dict
 def apply_chat_template(tokenizer, messages: list[dict], *, tools: list[dict] | None = None,
                         chat_template: str | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
-                        tool_format: type[ToolParser] = HermesToolParser) -> list[int]:
-    """Token ids of the conversation under the model's template (or `chat_template`)."""
+                        tool_format: type[ToolParser] = HermesToolParser,
+                        chat_template_kwargs: dict[str, Any] | None = None,
+                        tokenize: bool = True) -> list[int] | str:
+    """Token ids of the conversation under the model's template (or `chat_template`), or with
+    `tokenize=False` its text. `chat_template_kwargs` become the template's variables (e.g.
+    `enable_thinking`)."""
     conversation, tools = prepare_conversation(messages, tools, template_source(tokenizer, chat_template),
                                                tool_format)
-    ids = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=True,
+    ids = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=tokenize,
                                         add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                        continue_final_message=continue_final_message)
+                                        continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+    if not tokenize:
+        return ids
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
