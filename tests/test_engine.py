@@ -23,15 +23,18 @@ def prompts(engine_fp32):
     return varied_prompts(engine_fp32.tokenizer, 16)
 
 
+ALONE_TOKENS = 8  # greedy tokens per prompt in `alone`, and in every run compared with it
+
+
 @pytest.fixture(scope="module")
 def alone(engine_fp32, prompts):
-    return [run_greedy(engine_fp32, [p], 8)[0] for p in prompts]
+    return [run_greedy(engine_fp32, [p], ALONE_TOKENS)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [32, pytest.param(128, marks=pytest.mark.slow), pytest.param(512, marks=pytest.mark.slow)])
 def test_batch_invariance(engine_fp32, prompts, alone, budget):
     with scheduler_config(engine_fp32, budget=budget):
-        together = run_greedy(engine_fp32, prompts, 8)
+        together = run_greedy(engine_fp32, prompts, ALONE_TOKENS)
         stats = list(engine_fp32.iteration_stats)[-10:]
     assert together == alone
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in stats)
@@ -41,7 +44,7 @@ def test_batch_invariance(engine_fp32, prompts, alone, budget):
 def test_preemption_keeps_outputs(engine_fp32, prompts, alone):
     before = engine_fp32.scheduler.num_preemptions
     with scheduler_config(engine_fp32, budget=128, num_blocks=24) as engine:  # 384 tokens for ~1.8k needed
-        out = run_greedy(engine, prompts, 8)
+        out = run_greedy(engine, prompts, ALONE_TOKENS)
         preemptions = engine.scheduler.num_preemptions
         assert engine.block_manager.num_free_blocks == 24
     assert out == alone
@@ -211,7 +214,7 @@ def test_a_request_that_cannot_be_sampled_fails_alone(engine_fp32, prompts, alon
     poisoned = SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)
     poisoned.repetition_penalty = 0.0  # past validation: x / 0 is inf, inf - inf is NaN
     bad = engine_fp32.add_request(prompts[1], poisoned)
-    good = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    good = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=ALONE_TOKENS, temperature=0, ignore_eos=True))
     failed = []
     while engine_fp32.has_unfinished_requests():
         failed += [o for o in engine_fp32.step() if o.finish_reason == "error"]
@@ -222,9 +225,9 @@ def test_a_request_that_cannot_be_sampled_fails_alone(engine_fp32, prompts, alon
 
 
 def test_delta_outputs_carry_only_the_new_tokens(engine_fp32, prompts, alone):
-    cumulative = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    delta = engine_fp32.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
-                                                               output_kind="delta"))
+    greedy = dict(max_tokens=ALONE_TOKENS, temperature=0, ignore_eos=True)
+    cumulative = engine_fp32.add_request(prompts[0], SamplingParams(**greedy))
+    delta = engine_fp32.add_request(prompts[0], SamplingParams(**greedy, output_kind="delta"))
     pieces, texts, last_cumulative = [], [], None
     while engine_fp32.has_unfinished_requests():
         for out in engine_fp32.step():
