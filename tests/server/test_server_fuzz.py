@@ -102,6 +102,7 @@ def test_no_server_error_for_any_generated_request(api_schema, target):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["real"], indirect=True)  # the scripted app is fuzzed above
 def test_no_server_error_long(api_schema, target):
     assert fuzz(api_schema, target, max_examples=250) > 1000
 
