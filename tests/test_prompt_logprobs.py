@@ -99,7 +99,7 @@ def test_llm_generate_with_n_scores_the_prompt(engine_fp32, long_prompt):
     assert len(out.outputs) == 2 and len(out.prompt_logprobs) == 12
 
 
-@pytest.mark.parametrize("value", [-1, 21, True, 1.5])
+@pytest.mark.parametrize("value", [-2, 21, True, 1.5])  # -1 is the whole vocabulary, as in vLLM
 def test_bad_prompt_logprobs_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
