@@ -14,6 +14,10 @@ from carpool.request import Request
 from carpool.structured.masks import GrammarMasks
 
 
+# A request whose own constraint and token controls leave no token to sample: its error, not the engine's.
+NO_ALLOWED_TOKEN = "sampling failed: no token the structured output allows is left"
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """Repetition penalty over prompt and output (as in HF); presence/frequency over output."""
     for row, req in enumerate(requests):
@@ -100,8 +104,7 @@ class Sampler:
 
         errors: list[str | None] = [None] * len(requests)
         for i in grammar.apply(logits) if grammar is not None else ():
-            errors[i] = ("sampling failed: no token the structured output allows is left (min_tokens, "
-                         "logit_bias, allowed_token_ids or bad_words exclude them all)")
+            errors[i] = f"{NO_ALLOWED_TOKEN} (min_tokens, logit_bias, allowed_token_ids or bad_words exclude them all)"
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
         # max propagates NaN, so one reduction finds both, and the greedy tokens with them.
         best, tokens = logits.max(dim=-1)

@@ -39,6 +39,7 @@ from carpool.server.engine_client import (
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import APIError, error_body
 from carpool.structured.grammar import GrammarError
+from carpool.sampler import NO_ALLOWED_TOKEN
 from carpool.structured.masks import GRAMMAR_REFUSED
 from carpool.tools.parsers import get_tool_parser
 from carpool.tools.template import _variables, apply_chat_template, template_source
@@ -61,6 +62,8 @@ def generation_error(request_id: str, error: str) -> tuple[str, int, str | None,
     if error.startswith(GRAMMAR_REFUSED):
         message = f"{error.splitlines()[0]} (the constraint could not be followed)"
         return message, 400, "structured_outputs", "constraint_failed"
+    if error.startswith(NO_ALLOWED_TOKEN):
+        return error, 400, "structured_outputs", "constraint_failed"
     return ENGINE_FAILED.format(request_id), 500, None, "engine_error"
 
 

@@ -222,3 +222,15 @@ def test_a_token_the_grammar_refuses_fails_that_request_as_a_400_and_the_server_
     monkeypatch.undo()
     ok = httpx.post(served.v1 + "/chat/completions", timeout=60, json={**body, "stream": False})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "zzzz"
+
+
+def test_a_constraint_left_with_no_token_is_the_requests_error():
+    """Its constraint plus its own token controls (logit_bias, min_tokens, ...) allow no token:
+    a 400 naming structured_outputs, not the engine's 500."""
+    from carpool.sampler import NO_ALLOWED_TOKEN
+    from carpool.server.serving import generation_error
+
+    message, status, param, code = generation_error("r1", f"{NO_ALLOWED_TOKEN} (logit_bias)")
+    assert (status, param, code) == (400, "structured_outputs", "constraint_failed")
+    assert message.startswith(NO_ALLOWED_TOKEN)
+    assert generation_error("r1", "sampling failed: the logits became NaN")[1] == 500
