@@ -1,0 +1,280 @@
+"""GGUF quantized tensors as codes and scales ("kq" form), and their packing for csrc/kquant.c.
+
+A GGUF Q4_0 .. Q6_K tensor decodes into one canonical form, the one csrc/kquant.c computes:
+
+    w[r, c] = (float(d[r, c // S]) * sc[r, c // 16]) * (q[r, c] - offset) - float(dmin[r, c // S]) * mn[r, c // 16]
+
+unsigned codes q (2- and 3-bit codes held as 4-bit), fp16 super-block scales d / dmin per S
+channels (32 for the legacy types, 256 for K-quants) and int8 sub-scales sc / mn per 16
+channels (None: 1; Q4_K / Q5_K repeat their per-32 scales). Evaluated in fp32 in that order, it
+gives gguf.quants.dequantize's values bit for bit: d * sc is exact, and the rest of each type's
+arithmetic is the same operations in the same order. So a model runs from the file's own
+codes, never from a requantized copy.
+
+Per type (bits, offset, S; sc, mn): Q4_0 4, 8, 32; Q4_1 4, 0, 32 (dmin = -m); Q5_0 5, 16, 32;
+Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4); Q3_K 4, 4, 256
+(codes 0..7: low 2 bits + 4 * hmask bit; scale - 32); Q4_K / Q5_K 4 / 5, 0, 256 (6-bit scale,
+6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales).
+
+Decoding and packing are numpy operations over the whole tensor, never Python loops over rows
+or blocks: a model's weights are converted as it loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import Q4_K
+
+ROWS = 16  # output rows per block of the kernel's layout
+GROUP = 32  # input channels per group of the kernel's layout
+SUB = 16  # channels per sub-scale (sc, mn)
+_TINY = 1e-30  # as carpool.model.quant: the scale an all-equal group divides by
+
+
+@dataclass
+class QuantCodes:
+    """A weight [N, K] in canonical form (module doc). Fields are plain numpy arrays."""
+    q: np.ndarray  # uint8 [N, K], 0 .. 2**bits - 1
+    sc: np.ndarray | None  # int8 [N, K / 16]; None: 1
+    mn: np.ndarray | None  # int8 [N, K / 16]; None: 1 (where dmin is given)
+    d: np.ndarray  # float16 [N, K / S]
+    dmin: np.ndarray | None  # float16 [N, K / S]; None: no min term
+    super_size: int  # S: 32 or 256
+    offset: int
+    bits: int  # 4, 5 or 6
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+    def rows(self, index) -> QuantCodes:
+        """The codes of the rows `index` (a slice, or indices in any order: a tensor-parallel
+        shard of the output rows, or llama.cpp's Q/K row permutation undone)."""
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[index])
+        return replace(self, q=pick(self.q), sc=pick(self.sc), mn=pick(self.mn), d=pick(self.d),
+                       dmin=pick(self.dmin))
+
+    def columns(self, start: int, stop: int) -> QuantCodes:
+        """Input channels start .. stop (a row-parallel shard); both on super-block edges, as a
+        super-block's scale cannot be split."""
+        s = self.super_size
+        if start % s or stop % s or not 0 <= start < stop <= self.k:
+            raise ValueError(f"columns {start}:{stop} of a {self.n}x{self.k} weight must lie on "
+                             f"super-blocks of {s} channels")
+        cut = lambda a, per: None if a is None else np.ascontiguousarray(a[:, start // per:stop // per])
+        return replace(self, q=cut(self.q, 1), sc=cut(self.sc, SUB), mn=cut(self.mn, SUB), d=cut(self.d, s),
+                       dmin=cut(self.dmin, s))
+
+
+# ---------------------------------------------------------------- decoding, per type
+# Each takes the blocks as bytes [blocks, type_size] and gives (q [blocks, block_size],
+# sc, mn [blocks, block_size / 16] or None, d, dmin [blocks] or None), following gguf/quants.py.
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16)[:, 0]
+
+
+def _nibbles(x: np.ndarray) -> np.ndarray:
+    """Bytes [..., L] -> [..., 2, L]: all low nibbles, then all high ones."""
+    return np.stack((x & 15, x >> 4), axis=-2)
+
+
+def _crumbs(x: np.ndarray) -> np.ndarray:
+    """Bytes [..., L] -> 2-bit fields [..., 4, L], bits 0-1 first."""
+    return (x[..., None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+
+
+def _bit_rows(x: np.ndarray) -> np.ndarray:
+    """Bytes [blocks, L] -> bits [blocks, 8 * L] in the order bit 0 of every byte, then bit 1, ..."""
+    bits = np.unpackbits(x[..., None], axis=-1, bitorder="little")  # [blocks, L, 8]
+    return bits.transpose(0, 2, 1).reshape(len(x), -1)
+
+
+def _legacy(b: np.ndarray, has_min: bool, high_bits: bool):
+    at = 4 if has_min else 2
+    qh = None
+    if high_bits:  # a little-endian uint32: bit j is code j's bit 4
+        qh = np.unpackbits(b[:, at:at + 4], axis=-1, bitorder="little")
+        at += 4
+    q = _nibbles(b[:, at:at + 16]).reshape(len(b), 32)
+    if qh is not None:
+        q |= qh << 4
+    dmin = -_f16(b, 2) if has_min else None  # w = d * q + m = d * q - (-m)
+    return q, None, None, _f16(b, 0), dmin
+
+
+def _q2_k(b: np.ndarray):
+    scales = b[:, :16]
+    q = _crumbs(b[:, 16:80].reshape(-1, 2, 32)).reshape(len(b), 256)
+    return q, (scales & 15).view(np.int8), (scales >> 4).view(np.int8), _f16(b, 80), _f16(b, 82)
+
+
+def _q3_k(b: np.ndarray):
+    q = _crumbs(b[:, 32:96].reshape(-1, 2, 32)).reshape(len(b), 256) | (_bit_rows(b[:, :32]) << 2)
+    packed = b[:, 96:108]
+    low = _nibbles(packed[:, :8]).reshape(-1, 16)
+    high = _crumbs(packed[:, 8:12]).reshape(-1, 16)
+    sc = ((low | (high << 4)).astype(np.int8) - np.int8(32))
+    return q, sc, None, _f16(b, 108), None
+
+
+def _q45_k(b: np.ndarray, high_bits: bool):
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # 6-bit, per 32 channels
+    at = 48 if high_bits else 16
+    q = _nibbles(b[:, at:at + 128].reshape(-1, 4, 32)).reshape(len(b), 256)
+    if high_bits:
+        q |= _bit_rows(b[:, 16:48]) << 4
+    per16 = lambda x: np.repeat(x, 2, axis=1).view(np.int8)
+    return q, per16(sc), per16(mn), _f16(b, 0), _f16(b, 2)
+
+
+def _q6_k(b: np.ndarray):
+    low = _nibbles(b[:, :128].reshape(-1, 2, 64)).reshape(len(b), 256)
+    high = _crumbs(b[:, 128:192].reshape(-1, 2, 32)).reshape(len(b), 256)
+    return low | (high << 4), b[:, 192:208].view(np.int8), None, _f16(b, 208), None
+
+
+# type: (decoder, bits, offset, super-block size)
+_TYPES = {
+    T.Q4_0: (lambda b: _legacy(b, False, False), 4, 8, 32),
+    T.Q4_1: (lambda b: _legacy(b, True, False), 4, 0, 32),
+    T.Q5_0: (lambda b: _legacy(b, False, True), 5, 16, 32),
+    T.Q5_1: (lambda b: _legacy(b, True, True), 5, 0, 32),
+    T.Q2_K: (_q2_k, 4, 0, 256),
+    T.Q3_K: (_q3_k, 4, 4, 256),
+    T.Q4_K: (lambda b: _q45_k(b, False), 4, 0, 256),
+    T.Q5_K: (lambda b: _q45_k(b, True), 5, 0, 256),
+    T.Q6_K: (_q6_k, 6, 32, 256),
+}
+SUPPORTED = frozenset(_TYPES)
+
+
+def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
+    """A GGUF tensor's raw block bytes (GGUFReader's `tensor.data`, [N, row bytes] or flat; a
+    memmap is read, not copied whole) and its (N, K) -> its codes in canonical form."""
+    qtype = T(qtype)
+    if qtype not in _TYPES:
+        raise ValueError(f"GGUF type {qtype.name} has no kq form; supported: "
+                         f"{', '.join(t.name for t in _TYPES)}")
+    decoder, bits, offset, s = _TYPES[qtype]
+    n, k = shape
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if k % block_size:
+        raise ValueError(f"a {qtype.name} row holds blocks of {block_size}; K = {k}")
+    blocks = np.asarray(data).view(np.uint8)
+    if blocks.size != n * k // block_size * type_size:
+        raise ValueError(f"{blocks.size} bytes for a {n}x{k} {qtype.name} tensor; expected "
+                         f"{n * k // block_size * type_size}")
+    q, sc, mn, d, dmin = decoder(blocks.reshape(-1, type_size))
+    per_row = lambda a, width: None if a is None else np.ascontiguousarray(a).reshape(n, width)
+    return QuantCodes(q=per_row(q, k), sc=per_row(sc, k // SUB), mn=per_row(mn, k // SUB), d=per_row(d, k // s),
+                      dmin=per_row(dmin, k // s), super_size=s, offset=offset, bits=bits)
+
+
+def dequantize(c: QuantCodes) -> np.ndarray:
+    """Codes -> float32 [N, K], in the canonical form's fp32 order (gguf's values bit for bit)."""
+    n, k = c.q.shape
+    per16 = c.super_size // SUB
+    scale = np.repeat(c.d.astype(np.float32), per16, axis=1)  # [N, K / 16]
+    if c.sc is not None:
+        scale *= c.sc
+    w = scale[..., None] * (c.q.reshape(n, k // SUB, SUB).astype(np.float32) - np.float32(c.offset))
+    if c.dmin is not None:
+        low = np.repeat(c.dmin.astype(np.float32), per16, axis=1)
+        if c.mn is not None:
+            low *= c.mn
+        w -= low[..., None]
+    return w.reshape(n, k)
+
+
+def encode_q4_1(w: np.ndarray) -> QuantCodes:
+    """float32 [N, K] -> round-to-nearest Q4_1: carpool.model.quant.quantize_q4_1's codes and fp16
+    scale / min (w = code * scale + min), in canonical form (dmin = -min)."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"Q4_1 needs K divisible by {GROUP}; got {k}")
+    groups = w.reshape(n, k // GROUP, GROUP)
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    scale, low = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)
+    step = np.maximum(scale.astype(np.float32), np.float32(_TINY))
+    q = np.rint((groups - low.astype(np.float32)[..., None]) / step[..., None])
+    return QuantCodes(q=np.clip(q, 0, 15).astype(np.uint8).reshape(n, k), sc=None, mn=None, d=scale, dmin=-low,
+                      super_size=GROUP, offset=0, bits=4)
+
+
+# ---------------------------------------------------------------- the kernel's layout
+
+@dataclass
+class PackedCodes:
+    """QuantCodes in csrc/kquant.c's blocks of 16 rows (B = ceil(N / 16), G = K / 32); contiguous."""
+    lo: np.ndarray  # uint8 [B, G, 4, 16, 4]: codes' low nibbles, channels 16.. of a group in the high ones
+    hi: np.ndarray | None  # uint8 [B, G, bits - 4, 8, 8]: bit planes 4.. as 64-bit masks over lo's bytes
+    sc: np.ndarray | None  # int8 [B, G, 2, 16]
+    mn: np.ndarray | None  # int8 [B, G, 2, 16]
+    d: np.ndarray  # float16 [B, K / S, 16]
+    dmin: np.ndarray | None  # float16 [B, K / S, 16]
+    n: int
+    k: int
+    bits: int
+    offset: int
+    super_size: int
+
+
+def _row_blocks(a: np.ndarray) -> np.ndarray:
+    """[N, ...] -> [B, 16, ...], zero rows padding the last block."""
+    pad = -a.shape[0] % ROWS
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+    return a.reshape(-1, ROWS, *a.shape[1:])
+
+
+def pack(c: QuantCodes) -> PackedCodes:
+    """Canonical codes -> the kernel's layout; padding rows get zero codes and scales.
+
+    lo[b, g, j, r, c] = (q[16b + r, 32g + 4j + c] & 15) | (q[16b + r, 32g + 16 + 4j + c] & 15) << 4,
+    carpool.model.quant.pack_int4's layout. hi[b, g, p, j] (8 bytes) is a little-endian uint64
+    whose bit i is bit 4 + p of the code lo[b, g, j % 4] holds at byte i (in its low nibble for
+    j < 4, its high one for j >= 4): row 16b + i // 4, channel 32g + 16 (j // 4) + 4 (j % 4) + i % 4.
+    sc, mn[b, g, u, r] = sc, mn[16b + r, 2g + u]; d, dmin[b, s, r] = d, dmin[16b + r, s]."""
+    n, k = c.q.shape
+    if k % GROUP:
+        raise ValueError(f"the kernel layout needs K divisible by {GROUP}; got {k}")
+    g = k // GROUP
+    rows = _row_blocks(c.q).reshape(-1, ROWS, g, 2, 16)  # [B, row, G, half, channel]
+    b = rows.shape[0]
+    nibbles = (rows[:, :, :, 0] & 15) | ((rows[:, :, :, 1] & 15) << 4)  # [B, row, G, 16]
+    lo = np.ascontiguousarray(nibbles.reshape(b, ROWS, g, 4, 4).transpose(0, 2, 3, 1, 4))
+    hi = None
+    if c.bits > 4:
+        # [B, G, half * 4 + quad, row * 4 + c]: mask j's 64 bits in lo's byte order
+        top = (rows >> 4).reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(b, g, 8, 64)
+        planes = [np.packbits(top & (1 << p), axis=-1, bitorder="little") for p in range(c.bits - 4)]
+        hi = np.ascontiguousarray(np.stack(planes, axis=2))
+    per_sub = lambda a: None if a is None else np.ascontiguousarray(
+        _row_blocks(a).reshape(b, ROWS, g, 2).transpose(0, 2, 3, 1))
+    per_super = lambda a: None if a is None else np.ascontiguousarray(_row_blocks(a).transpose(0, 2, 1))
+    return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
+                       n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size)
+
+
+def unpack(p: PackedCodes) -> QuantCodes:
+    """pack's inverse: the reference the C kernel's reading of the layout is tested against."""
+    b, g = p.lo.shape[:2]
+    q = np.stack((p.lo & 15, p.lo >> 4), axis=2)  # [B, G, half, quad, row, c]
+    if p.hi is not None:
+        bits = np.unpackbits(p.hi, axis=-1, bitorder="little").reshape(b, g, -1, 2, 4, ROWS, 4)
+        for plane in range(bits.shape[2]):
+            q |= bits[:, :, plane] << (4 + plane)
+    q = q.transpose(0, 4, 1, 2, 3, 5).reshape(b * ROWS, p.k)[:p.n]
+    per_sub = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 3, 1, 2).reshape(b * ROWS, -1)[:p.n])
+    per_super = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1).reshape(b * ROWS, -1)[:p.n])
+    return QuantCodes(q=np.ascontiguousarray(q), sc=per_sub(p.sc), mn=per_sub(p.mn), d=per_super(p.d),
+                      dmin=per_super(p.dmin), super_size=p.super_size, offset=p.offset, bits=p.bits)
