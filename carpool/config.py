@@ -128,10 +128,31 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each query / key head before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each query / key head before RoPE
+    # Gemma 2 / 3. The defaults are the Llama layout, which the fused and compiled paths run.
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # RMSNorms after attention and after the MLP too (and one before it)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
+    attn_logit_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_logit_softcap: float | None = None  # the same on the LM head's logits
+    sliding_window: int | None = None  # a sliding layer's query sees its last `sliding_window` keys
+    sliding_layers: list[int] = field(default_factory=list)  # indices of the sliding-window layers
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (unscaled); None: rope_theta
+    # Added to every RMSNorm weight as it is loaded: Gemma's HF checkpoints hold w of x * (1 + w),
+    # llama.cpp's converter wrote 1 + w already, carpool computes x * weight.
+    norm_weight_offset: float = 0.0
     # Sampling defaults from generation_config.json (vLLM's names: temperature, top_p, top_k,
     # min_p, repetition_penalty, max_tokens); a request's unset fields take them.
     generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is Llama's (SiLU MLP, two norms, plain causal attention scaled by
+        head_dim^-1/2): the fused C layers and the compiled halves run only those."""
+        return (self.hidden_act == "silu" and not self.sandwich_norms and not self.scale_embeddings
+                and self.query_pre_attn_scalar is None and self.attn_logit_softcap is None
+                and self.final_logit_softcap is None and not self.sliding_layers)
 
 
 # The policies of carpool/core/scheduler.py by name, so that the config checks a name without

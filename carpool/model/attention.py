@@ -14,12 +14,17 @@ gathering slot by slot was 15x slower). torch 2.13's CPU SDPA (flash, GQA in the
 the two batched matmuls with the query heads grouped per KV head that carpool used before, at
 every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached prefix in bf16
 (1.3-2.3x in fp32), timed call against call on the same gathered blocks.
+
+Gemma's layers need what neither the C kernel nor SDPA's causal flag gives: a sliding window
+(a query sees only its last `window` keys) and tanh soft-capped logits (Gemma 2).
+`masked_paged_attention` does both with torch ops over gathered blocks, every sequence under an
+explicit mask; its masks are built once per step (per window) and shared by every layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +84,17 @@ class AttentionMetadata:
     # The whole step as query runs, for the fused layers (model/fused_layers.py); None where the
     # runner did not build them (decode-only steps need none, nor steps the fused path skips).
     runs: QueryRuns | None = None
+    # masked_paged_attention's masks by window (None: causal only), built at the first layer.
+    masks: dict[int | None, StepMasks] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class StepMasks:
+    """A step's attention masks, True where a query may look: each decode over its gathered blocks,
+    each prefill chunk over its gathered blocks (or over itself, with nothing cached)."""
+
+    decodes: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    chunks: list[torch.Tensor]  # [chunk, keys] per prefill chunk
 
 
 # An attention kernel: (q, k, v, one layer's cache, metadata, scale) -> [T, heads, D]. The model
@@ -111,6 +127,69 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     v = gather_blocks(cache[1], block_tables, block_size).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def slide(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """A causal mask ([..., queries, keys], a query's row True for keys 0..its position) cut to
+    each query's last `window` keys, itself included (transformers' and llama.cpp's sliding window)."""
+    if window is None:
+        return mask
+    position = mask.sum(-1, keepdim=True) - 1
+    return mask & (torch.arange(mask.shape[-1], device=mask.device) > position - window)
+
+
+def step_masks(meta: AttentionMetadata, window: int | None) -> StepMasks:
+    if window not in meta.masks:
+        decodes = None
+        if meta.num_decodes:
+            keys = torch.arange(meta.decode_block_tables.shape[1] * meta.block_size, device=meta.slot_mapping.device)
+            decodes = slide(keys[None, :] < meta.decode_context_lens[:, None], window)[:, None, None, :]
+        chunks = []
+        for p in meta.prefills:
+            n = p.end - p.start
+            causal = (torch.ones(n, n, dtype=torch.bool, device=meta.slot_mapping.device).tril()
+                      if p.mask is None else p.mask)
+            chunks.append(slide(causal, window))
+        meta.masks[window] = StepMasks(decodes, chunks)
+    return meta.masks[window]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """q: [B, heads, n, D]; k, v: [B, kv_heads, ctx, D]; mask: [B or 1, 1, n, ctx] bool ->
+    [B, heads, n, D]. With a soft-cap, transformers' eager arithmetic (fp32 softmax)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def masked_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None
+                           ) -> torch.Tensor:
+    """paged_attention with a sliding window and/or soft-capped logits, over the same cache and
+    metadata (decodes' masks are built here: the C decode kernel's steps come without one)."""
+    cache[0].index_copy_(0, meta.slot_mapping, k)
+    cache[1].index_copy_(0, meta.slot_mapping, v)
+    masks = step_masks(meta, window)
+    out = torch.empty_like(q)
+    nd, bs = meta.num_decodes, meta.block_size
+    if nd:
+        ks = gather_blocks(cache[0], meta.decode_block_tables, bs).transpose(1, 2)  # [B, kv_heads, ctx, D]
+        vs = gather_blocks(cache[1], meta.decode_block_tables, bs).transpose(1, 2)
+        out[:nd] = masked_attention(q[:nd, :, None], ks, vs, masks.decodes, scale, softcap)[:, :, 0]
+    for p, mask in zip(meta.prefills, masks.chunks):
+        if p.block_table is None:  # nothing cached: the chunk over itself
+            ks, vs = k[p.start:p.end], v[p.start:p.end]
+        else:
+            ks, vs = gather_blocks(cache[0], p.block_table, bs), gather_blocks(cache[1], p.block_table, bs)
+        o = masked_attention(q[p.start:p.end].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                             vs.transpose(0, 1)[None], mask[None, None], scale, softcap)
+        out[p.start:p.end] = o[0].transpose(0, 1)
+    return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -34,8 +34,9 @@ from carpool.model.quant import EVERY_SIZE, QuantizedLinear
 def can_compile(model: LlamaModel) -> bool:
     """Tensor-parallel layers all-reduce inside `after_attention`: those stay eager. Quantized
     kernels do not stop a compile: graphs hold them as `carpool::` ops (model/cpu_kernels.py),
-    also where they win at every size (AVX2 alone)."""
-    return model.tp.size == 1
+    also where they win at every size (AVX2 alone). Gemma's layers (sandwich norms, windows,
+    soft-caps) are not the halves compiled here: they stay eager."""
+    return model.tp.size == 1 and model.config.llama_layers
 
 
 def _compile(fn):

@@ -76,6 +76,7 @@ class FusedLayers:
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         usable = (model.tp.size == 1 and model.num_local_layers > 0 and not model.config.qk_norm
+                  and model.config.llama_layers
                   and model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
                   and all(isinstance(m, QuantizedLinear) and m.kernel is not None for m in linears))
         return cls(model, max_tokens) if usable and max_tokens > 0 else None

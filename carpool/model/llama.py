@@ -1,13 +1,20 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM) over a flat token matrix.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM; Gemma 2/3) over a flat
+token matrix.
 
 All of a step's tokens, decodes and prefill chunks alike, form one [num_tokens, hidden] matrix:
 every linear layer runs once over it and only attention looks at sequence boundaries.
 The module can hold a contiguous slice of layers (a pipeline stage) and a 1/tp_size shard of
 each projection (Megatron-style), so parallelism needs no second model class.
+
+Gemma 2 and 3 are the same decoder with a few switches in ModelConfig: a GeGLU MLP, norms on both
+sides of attention and of the MLP (`GemmaDecoderLayer`), scaled embeddings, sliding-window layers
+and tanh soft-capped logits. Their attention runs `masked_paged_attention` where it needs a window
+or a soft-cap (the C kernels do neither).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -17,7 +24,7 @@ from torch import nn
 
 from carpool.config import ModelConfig
 from carpool.model import cpu_kernels
-from carpool.model.attention import AttendFn, AttentionMetadata, paged_attention
+from carpool.model.attention import AttendFn, AttentionMetadata, masked_paged_attention, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -102,19 +109,22 @@ class RotaryEmbedding(nn.Module):
     """Looks up cos/sin for a step's positions once; every layer reuses them.
 
     As vLLM does, the values for every position the model can hold are computed once (per dtype,
-    at the first step; as transformers computes them): a lookup a step instead of eight small ops."""
+    at the first step, in fp32 from the config; as transformers computes them): a lookup a step
+    instead of eight small ops. Nothing is stored before then, so building the model on the meta
+    device and casting it leave the frequencies untouched."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        inv_freq, self.attention_scaling = rope_parameters(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.config = config
+        self.attention_scaling = rope_parameters(config)[1]
         self.max_positions = config.max_position_embeddings
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [2 (cos, sin), positions, head_dim]
 
-    def table(self, dtype: torch.dtype) -> torch.Tensor:
+    def table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if dtype not in self._tables:
-            positions = torch.arange(self.max_positions, dtype=torch.float32, device=self.inv_freq.device)
-            freqs = positions[:, None] * self.inv_freq[None, :]
+            inv_freq = rope_parameters(self.config)[0].to(device)
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
             if self.attention_scaling != 1.0:  # yarn: as transformers, on the fp32 cos/sin
@@ -123,7 +133,7 @@ class RotaryEmbedding(nn.Module):
         return self._tables[dtype]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.table(dtype).index_select(1, positions)
+        rows = self.table(dtype, positions.device).index_select(1, positions)
         return rows[0][:, None, :], rows[1][:, None, :]
 
 
@@ -230,7 +240,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0):
         super().__init__()
         if config.num_heads % tp.size or config.num_kv_heads % tp.size:
             raise ValueError(f"{config.num_heads} heads / {config.num_kv_heads} KV heads "
@@ -241,12 +251,15 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # What plain paged attention cannot do (Gemma): None where this layer has none of it.
+        self.window = config.sliding_window if layer in config.sliding_layers else None
+        self.softcap = config.attn_logit_softcap
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
-        if self.qk_norm:  # Qwen3
+        if self.qk_norm:  # Qwen3, Gemma 3
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -274,23 +287,25 @@ class MLP(nn.Module):
             raise ValueError(f"intermediate size {config.intermediate_size} does not split over "
                              f"tensor-parallel size {tp.size}")
         self.tp = tp
+        self.gelu = config.hidden_act == "gelu_tanh"  # Gemma's GeGLU; else SwiGLU
         self.inter = config.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernels.fuses(gate_up):
+        if not self.gelu and cpu_kernels.fuses(gate_up):
             return self.tp.all_reduce(self.down_proj(cpu_kernels.silu_mul(gate_up)))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.tp.all_reduce(self.down_proj(act * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
@@ -311,6 +326,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma 2 / 3: attention's output and the MLP's output are normed before their residual add
+    (`post_attention_layernorm` is that first norm here, not the MLP's input norm as in Llama),
+    and attention may slide or soft-cap."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0):
+        super().__init__(config, tp, layer)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata, attend: AttendFn = paged_attention) -> torch.Tensor:
+        q, k, v = self.before_attention(x, cos, sin)
+        a = self.self_attn
+        if attend is paged_attention and (a.window is not None or a.softcap is not None):
+            o = masked_paged_attention(q, k, v, cache, meta, a.scale, a.window, a.softcap)
+        else:  # plain causal attention, or a stand-in (the profiler's), called as is
+            o = attend(q, k, v, cache, meta, a.scale)
+        return self.after_attention(x, o)
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(self.self_attn.output(o)))
+        return x + self.post_feedforward_layernorm(self.mlp(h))
+
+
 class LlamaModel(nn.Module):
     """Layers [first_layer, last_layer) of the decoder; embedding on the first stage,
     final norm and LM head on the last."""
@@ -325,11 +365,14 @@ class LlamaModel(nn.Module):
         self.is_first = first_layer == 0
         self.is_last = self.last_layer == config.num_layers
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's sliding layers rotate with their own base and no scaling.
+        self.local_rotary = None if config.rope_local_theta is None else RotaryEmbedding(
+            dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
         if self.is_first:
             self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if self.tp.size == 1
                                  else VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp))
-        self.layers = nn.ModuleList(DecoderLayer(config, self.tp)
-                                    for _ in range(self.first_layer, self.last_layer))
+        layer_class = GemmaDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, self.tp, i) for i in range(self.first_layer, self.last_layer))
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             # Vocabulary-parallel: this rank's rows of the LM head (all of them without TP).
@@ -346,21 +389,31 @@ class LlamaModel(nn.Module):
         """kv_cache: [local_layers, 2, num_slots, kv_heads, head_dim]. Returns hidden states
         (normed on the last stage). `attend` is the attention kernel every layer calls."""
         x, cos, sin = self.layer_inputs(input_ids, positions, hidden)
+        local = (cos, sin) if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta, attend)
+            c, s = local if layer.self_attn.window is not None else (cos, sin)
+            x = layer(x, c, s, kv_cache[i], meta, attend)
         return self.norm(x) if self.is_last else x
 
     def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                      hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first layer's input (embedded ids on the first stage, the previous stage's hidden
         states after it) and the step's RoPE cos/sin: what every path through the layers starts from."""
-        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        if self.is_first:
+            x = self.embed_tokens(input_ids)
+            if self.config.scale_embeddings:  # Gemma: by sqrt(hidden) rounded to the dtype, as transformers
+                x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        else:
+            x = hidden
         return x, *self.rotary.cos_sin(positions, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab]; with TP each rank computes its vocabulary slice and the first
         rank gathers them (the others get None)."""
         logits = self.lm_head(hidden).float()
+        if self.config.final_logit_softcap is not None:  # Gemma 2
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_last_dim(logits)

@@ -1,5 +1,5 @@
-"""Read model shapes and weights from a Hugging Face folder (Llama, Mistral, Qwen2/3, Phi-3) or a
-GGUF file (llama, qwen2, qwen3 architectures).
+"""Read model shapes and weights from a Hugging Face folder (Llama, Mistral, Qwen2/3, Phi-3,
+Gemma 2/3) or a GGUF file (llama, qwen2, qwen3, phi3, gemma2, gemma3 architectures).
 
 Both sources are turned into one stream of (Hugging Face parameter name, tensor) pairs; a single
 `load_weights` maps that stream onto the fused, possibly sharded, parameters of `LlamaModel`.
@@ -21,7 +21,8 @@ from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
 from carpool.model.quant import check_quantization, quantize_linears
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM"}
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 
 
 def is_gguf(path: str) -> bool:
@@ -83,10 +84,15 @@ def hf_model_config(folder: Path) -> ModelConfig:
                          f"carpool supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     eos = cfg.get("eos_token_id")
     heads = cfg["num_attention_heads"]
-    rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    rope = cfg.get("rope_parameters") or {}
+    local_theta = None
+    if archs[0] == "Gemma3ForCausalLM":  # global layers as below; sliding ones a base of their own
+        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)
+        rope = rope.get("full_attention", rope)  # transformers 5 keys Gemma 3's RoPE by layer type
+    rope_scaling = cfg.get("rope_scaling") or rope or None
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
         rope_scaling = None
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
     rotary_fraction = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
         "partial_rotary_factor", 1.0)
     if rotary_fraction != 1.0:
@@ -95,6 +101,19 @@ def hf_model_config(folder: Path) -> ModelConfig:
     eos_ids = _ids(eos)
     gen_eos, gen_defaults = hf_generation_config(folder)
     eos_ids += [i for i in gen_eos if i not in eos_ids]  # Llama-3 instruct: <|eot_id|> is only here
+    gemma = archs[0] in GEMMA
+    window = cfg.get("sliding_window") if gemma else None
+    if cfg.get("layer_types"):
+        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    else:  # older configs: Gemma 2 slides every other layer, Gemma 3 five layers in six
+        pattern = 2 if archs[0] == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        sliding = [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % pattern]
+    gemma_fields = dict(
+        hidden_act="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        attn_logit_softcap=cfg.get("attn_logit_softcapping"), final_logit_softcap=cfg.get("final_logit_softcapping"),
+        sliding_window=window, sliding_layers=sliding if window else [], rope_local_theta=local_theta,
+        norm_weight_offset=1.0) if gemma else {}
     return ModelConfig(
         architecture=archs[0],
         vocab_size=cfg["vocab_size"],
@@ -107,13 +126,14 @@ def hf_model_config(folder: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
         attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
         rope_scaling=rope_scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        qk_norm=archs[0] == "Qwen3ForCausalLM",
+        qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         generation_defaults=gen_defaults,
+        **gemma_fields,
     )
 
 
@@ -143,7 +163,30 @@ def _gguf_field(reader, key: str, default=None):
 
 
 # GGUF general.architecture -> the Hugging Face architecture it holds.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+def _gguf_gemma_fields(arch: str, get, num_layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma's settings as llama.cpp reads them: what the file does not hold (the sliding-layer
+    pattern, Gemma 3's local RoPE base, the query scale, Gemma 2's default caps) as it assumes."""
+    window = get("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [i for i, slides in enumerate(pattern) if slides]
+    else:
+        period = 2 if arch == "gemma2" else 6
+        sliding = [i for i in range(num_layers) if (i + 1) % period]
+    # The 27B models scale queries by (hidden / heads)^-1/2, the others by head_dim^-1/2.
+    is_27b = num_layers == {"gemma2": 46, "gemma3": 62}[arch]
+    caps = (50.0, 30.0) if arch == "gemma2" else (None, None)
+    return dict(
+        hidden_act="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim),
+        attn_logit_softcap=get("attn_logit_softcapping", caps[0]),
+        final_logit_softcap=get("final_logit_softcapping", caps[1]),
+        sliding_window=window, sliding_layers=sliding if window else [],
+        rope_local_theta=10000.0 if arch == "gemma3" else None)
 
 
 def gguf_model_config(reader) -> ModelConfig:
@@ -162,6 +205,11 @@ def gguf_model_config(reader) -> ModelConfig:
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"GGUF {arch} with long-context RoPE factors (rope_factors_long) is not supported")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    gemma = (_gguf_gemma_fields(arch, get, get("block_count"), hidden, heads, head_dim)
+             if arch in ("gemma2", "gemma3") else {})
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
@@ -170,7 +218,7 @@ def gguf_model_config(reader) -> ModelConfig:
         num_layers=get("block_count"),
         num_heads=heads,
         num_kv_heads=get("attention.head_count_kv") or heads,
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
@@ -180,15 +228,20 @@ def gguf_model_config(reader) -> ModelConfig:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **gemma,
     )
 
 
+# ffn_norm is the MLP's input norm: Llama's post_attention_layernorm, Gemma's
+# pre_feedforward_layernorm (load_weights takes either name for Llama's layers). phi3's attn_qkv
+# and ffn_up (gate and up stacked) are split by _unfused.
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
@@ -251,15 +304,17 @@ def load_model_config(path: str, gguf_reader=None) -> ModelConfig:
 
 def _unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Phi-3 keeps q/k/v and gate/up in one tensor each; yield them as Llama's separate ones."""
+    """Phi-3 keeps q/k/v and gate/up in one tensor each (in GGUF, gate/up as a double-height
+    ffn_up); yield them as Llama's separate ones."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for name, w in weights:
         if ".self_attn.qkv_proj." in name:
             pre, kind = name.split(".qkv_proj.")
             for part, t in zip("qkv", w.split([q, kv, kv])):
                 yield f"{pre}.{part}_proj.{kind}", t
-        elif name.endswith(".mlp.gate_up_proj.weight"):
-            pre = name.removesuffix("gate_up_proj.weight")
+        elif name.endswith(".mlp.gate_up_proj.weight") or (
+                name.endswith(".mlp.up_proj.weight") and w.shape[0] == 2 * cfg.intermediate_size):
+            pre = name.rsplit(".", 2)[0] + "."
             gate, up = w.chunk(2)
             yield pre + "gate_proj.weight", gate
             yield pre + "up_proj.weight", up
@@ -290,7 +345,14 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         params[target].data.zero_()
         put(target, w[start:start + rows])
 
+    norms = {"input_layernorm", "post_attention_layernorm"}
+    if cfg.sandwich_norms:
+        norms |= {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+    if cfg.qk_norm:
+        norms |= {"self_attn.q_norm", "self_attn.k_norm"}
     for name, w in _unfused(weights, cfg):
+        if name.endswith("norm.weight"):
+            w = w + cfg.norm_weight_offset if cfg.norm_weight_offset else w
         if name == "model.embed_tokens.weight":
             if model.is_first:
                 put_vocab("embed_tokens.weight", w)
@@ -313,6 +375,8 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
             continue
         prefix = f"layers.{layer - model.first_layer}."
         module, kind = rest.rsplit(".", 1)  # e.g. ("self_attn.q_proj", "weight")
+        if module == "pre_feedforward_layernorm" and not cfg.sandwich_norms:
+            module = "post_attention_layernorm"  # a Llama-layout GGUF's ffn_norm
         attn = model.layers[layer - model.first_layer].self_attn
         if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             offset = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[module[-6]]
@@ -322,8 +386,7 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
             put(prefix + "mlp.gate_up_proj.weight", shard(w, 0), 0 if module == "mlp.gate_proj" else inter)
         elif module in ("self_attn.o_proj", "mlp.down_proj"):
             put(prefix + f"{module}.weight", shard(w, 1))
-        elif module in ("input_layernorm", "post_attention_layernorm") or (
-                cfg.qk_norm and module in ("self_attn.q_norm", "self_attn.k_norm")):
+        elif module in norms:
             put(prefix + f"{module}.weight", w)
         else:
             raise ValueError(f"unexpected weight {name}")
@@ -338,8 +401,7 @@ def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]])
         expected |= {f"{pre}mlp.gate_up_proj.weight@0", f"{pre}mlp.gate_up_proj.weight@{layer.mlp.inter}",
                      f"{pre}self_attn.o_proj.weight@0", f"{pre}mlp.down_proj.weight@0",
                      f"{pre}input_layernorm.weight@0", f"{pre}post_attention_layernorm.weight@0"}
-        if cfg.qk_norm:
-            expected |= {f"{pre}self_attn.q_norm.weight@0", f"{pre}self_attn.k_norm.weight@0"}
+        expected |= {f"{pre}{n}.weight@0" for n in norms}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:6])}")
