@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--config", metavar="FILE", help="a YAML file of flags (`max_num_seqs: 8`), as vLLM's; "
+                                                    "the command line's own flags win")
     add_engine_args(p)
     from carpool.server.options import add_server_args
 
@@ -394,8 +396,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+def vllm_argv(argv: list[str]) -> list[str]:
+    """`vllm serve`'s spellings: --max_num_seqs is --max-num-seqs, and `--config FILE` (YAML)
+    stands for the flags it lists, placed before the command line's own so that those win."""
+    argv = [_dashed(a) for a in argv]
+    if not argv or argv[0] != "serve":
+        return argv
+    for i, a in enumerate(argv):
+        if a == "--config" or a.startswith("--config="):
+            path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            rest = argv[:i] + argv[i + (1 if "=" in a else 2):]
+            at = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1  # after `serve MODEL`
+            return rest[:at] + config_file_argv(path) + rest[at:]
+    return argv
+
+
+def config_file_argv(path: str) -> list[str]:
+    """The flags a vLLM YAML config file sets: `key: value`, a list as several values, true as the
+    bare switch, false as its --no- form."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"carpool: error: --config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"carpool: error: --config {path}: expected a mapping of flag names to values")
+    argv = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            import json
+
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(vllm_argv(sys.argv[1:] if argv is None else list(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("carpool").setLevel(logging.DEBUG if args.verbose else logging.INFO)

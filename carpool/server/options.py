@@ -43,6 +43,7 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (a request may say otherwise)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs / top_logprobs / prompt_logprobs a request may ask for
     disable_fastapi_docs: bool = False  # no /openapi.json (carpool serves no /docs or /redoc UI either way)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
 
     def __post_init__(self) -> None:
         if self.max_choices_per_request < 1:
@@ -129,40 +130,44 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                    help='chat template variables for every chat request, as a JSON object, e.g. '
                         '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs override them')
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help='answer tool_choice "auto" (the default when tools are given) by parsing the '
                         "model's calls out of its text; needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>)")
     g.add_argument("--allowed-origins", type=json_list, default=None,
                    help='CORS origins, as a JSON list, e.g. \'["https://app.example"]\' (default: none)')
-    g.add_argument("--allow-credentials", action="store_true")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--allowed-methods", type=json_list, default=None, help='CORS methods (default: ["*"])')
     g.add_argument("--allowed-headers", type=json_list, default=None, help='CORS headers (default: ["*"])')
     g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log every request's prompt (default: off)")
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older spelling of --no-enable-log-requests")
+    g.add_argument("--no-disable-log-requests", dest="enable_log_requests", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt to log")
-    g.add_argument("--disable-log-stats", action="store_true",
+    g.add_argument("--disable-log-stats", action=argparse.BooleanOptionalAction, default=False,
                    help="no stats line (throughput, queues, step times) in the log every 10 s while busy")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--root-path", default=d.root_path,
                    help="the path prefix a reverse proxy serves this server under, e.g. /api (FastAPI's root_path)")
     g.add_argument("--response-role", default=d.response_role,
                    help=f"the role of the message in chat responses (default: {d.response_role})")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="write logprob tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help=f"the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
                         f"(default and most: {MAX_LOGPROBS})")
-    g.add_argument("--disable-fastapi-docs", action="store_true",
+    g.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                    help="do not serve the OpenAPI schema at /openapi.json (no /docs or /redoc page is served "
                         "either way)")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+    g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json, "
+                        "chat template included), as vLLM does")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
                         "reported")
