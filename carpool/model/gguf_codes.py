@@ -44,7 +44,7 @@ class QuantCodes:
     dmin: np.ndarray | None  # float16 [N, K / S]; None: no min term
     super_size: int  # S: 32 or 256
     offset: int
-    bits: int  # 4, 5 or 6
+    bits: int  # 4, 5, 6 or 8
 
     @property
     def n(self) -> int:
@@ -141,8 +141,13 @@ def _q6_k(b: np.ndarray):
     return low | (high << 4), b[:, 192:208].view(np.int8), None, _f16(b, 208), None
 
 
+def _q8_0(b: np.ndarray):
+    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), None, None, _f16(b, 0), None
+
+
 # type: (decoder, bits, offset, super-block size)
 _TYPES = {
+    T.Q8_0: (_q8_0, 8, 128, 32),
     T.Q4_0: (lambda b: _legacy(b, False, False), 4, 8, 32),
     T.Q4_1: (lambda b: _legacy(b, True, False), 4, 0, 32),
     T.Q5_0: (lambda b: _legacy(b, False, True), 5, 16, 32),
@@ -192,6 +197,35 @@ def dequantize(c: QuantCodes) -> np.ndarray:
             low *= c.mn
         w -= low[..., None]
     return w.reshape(n, k)
+
+
+def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
+    """Weights stacked by rows (the fused q/k/v or gate/up projections), in one form even when
+    their types differ (Q4_K_M files give v Q6_K, q and k Q4_K): the widest codes, the smallest
+    super-block (a super-block's factors repeat exactly over smaller ones), and an offset folded
+    into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two)."""
+    if len({(p.bits, p.offset, p.super_size, p.sc is None, p.mn is None, p.dmin is None) for p in parts}) == 1:
+        cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+        return replace(parts[0], q=cat("q"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dmin=cat("dmin"))
+    s = min(p.super_size for p in parts)
+    offsets = {p.offset for p in parts}
+    out = []
+    for p in parts:
+        n, k = p.q.shape
+        d = np.repeat(p.d, p.super_size // s, axis=1)
+        sc = np.ones((n, k // SUB), np.int8) if p.sc is None else p.sc
+        if p.dmin is not None:
+            dmin, mn = np.repeat(p.dmin, p.super_size // s, axis=1), np.ones_like(sc) if p.mn is None else p.mn
+        elif p.offset and len(offsets) > 1:
+            if p.offset & (p.offset - 1):
+                raise ValueError(f"offset {p.offset} is not a power of two")
+            dmin, mn = (d.astype(np.float32) * p.offset).astype(np.float16), sc
+        else:
+            dmin, mn = np.zeros_like(d), np.zeros_like(sc)
+        out.append((p.q, sc, mn, d, dmin))
+    q, sc, mn, d, dmin = (np.concatenate(column) for column in zip(*out))
+    return QuantCodes(q=q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=s, offset=offsets.pop() if len(offsets) == 1 else 0,
+                      bits=max(p.bits for p in parts))
 
 
 def encode_q4_1(w: np.ndarray) -> QuantCodes:
@@ -250,6 +284,13 @@ def pack(c: QuantCodes) -> PackedCodes:
     g = k // GROUP
     rows = _row_blocks(c.q).reshape(-1, ROWS, g, 2, 16)  # [B, row, G, half, channel]
     b = rows.shape[0]
+    per_sub = lambda a: None if a is None else np.ascontiguousarray(
+        _row_blocks(a).reshape(b, ROWS, g, 2).transpose(0, 2, 3, 1))
+    per_super = lambda a: None if a is None else np.ascontiguousarray(_row_blocks(a).transpose(0, 2, 1))
+    if c.bits == 8:  # bytes: lo[b, g, j, r, c] = q[16b + r, 32g + 4j + c] (quant.pack_int8's layout)
+        lo = np.ascontiguousarray(rows.reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4))
+        return PackedCodes(lo=lo, hi=None, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d),
+                           dmin=per_super(c.dmin), n=n, k=k, bits=8, offset=c.offset, super_size=c.super_size)
     nibbles = (rows[:, :, :, 0] & 15) | ((rows[:, :, :, 1] & 15) << 4)  # [B, row, G, 16]
     lo = np.ascontiguousarray(nibbles.reshape(b, ROWS, g, 4, 4).transpose(0, 2, 3, 1, 4))
     hi = None
@@ -258,9 +299,6 @@ def pack(c: QuantCodes) -> PackedCodes:
         top = (rows >> 4).reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(b, g, 8, 64)
         planes = [np.packbits(top & (1 << p), axis=-1, bitorder="little") for p in range(c.bits - 4)]
         hi = np.ascontiguousarray(np.stack(planes, axis=2))
-    per_sub = lambda a: None if a is None else np.ascontiguousarray(
-        _row_blocks(a).reshape(b, ROWS, g, 2).transpose(0, 2, 3, 1))
-    per_super = lambda a: None if a is None else np.ascontiguousarray(_row_blocks(a).transpose(0, 2, 1))
     return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
                        n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size)
 
@@ -268,7 +306,10 @@ def pack(c: QuantCodes) -> PackedCodes:
 def unpack(p: PackedCodes) -> QuantCodes:
     """pack's inverse: the reference the C kernel's reading of the layout is tested against."""
     b, g = p.lo.shape[:2]
-    q = np.stack((p.lo & 15, p.lo >> 4), axis=2)  # [B, G, half, quad, row, c]
+    if p.bits == 8:
+        q = p.lo.reshape(b, g, 2, 4, ROWS, 4)
+    else:
+        q = np.stack((p.lo & 15, p.lo >> 4), axis=2)  # [B, G, half, quad, row, c]
     if p.hi is not None:
         bits = np.unpackbits(p.hi, axis=-1, bitorder="little").reshape(b, g, -1, 2, 4, ROWS, 4)
         for plane in range(bits.shape[2]):

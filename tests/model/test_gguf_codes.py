@@ -18,10 +18,10 @@ from tests.helpers import examples
 
 TYPES = sorted(SUPPORTED, key=lambda t: t.value)
 # Byte offsets of each block's fp16 fields (d, dmin), from the block structs in ggml-common.h.
-FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
+FP16_FIELDS = {T.Q4_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 # Largest code per type (2- and 3-bit codes are held as 4-bit ones).
-MAX_CODE = {T.Q4_0: 15, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31, T.Q2_K: 3, T.Q3_K: 7, T.Q4_K: 15, T.Q5_K: 31,
+MAX_CODE = {T.Q4_0: 15, T.Q8_0: 255, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31, T.Q2_K: 3, T.Q3_K: 7, T.Q4_K: 15, T.Q5_K: 31,
             T.Q6_K: 63}
 FIELDS = ("q", "sc", "mn", "d", "dmin")
 
@@ -81,7 +81,7 @@ def test_decode_reads_a_memmap(tmp_path):
     assert same_codes(decode(mapped, T.Q5_K, (20, 256)), decode(raw, T.Q5_K, (20, 256)))
 
 
-@pytest.mark.parametrize("qtype", [t for t in TYPES if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)], ids=lambda t: t.name)
 def test_decode_gguf_quantized_floats(qtype):
     """Tensors as gguf-py writes them (it quantizes only the legacy types)."""
     w = np.random.default_rng(1).standard_normal((19, 96)).astype(np.float32)
@@ -103,8 +103,9 @@ def test_unpack_inverts_pack_and_padding_is_zero(qtype, n, blocks, seed):
     packed = pack(codes)
     assert same_codes(unpack(packed), codes)
     b = -(-n // 16)
-    assert packed.lo.shape == (b, k // 32, 4, 16, 4) and packed.d.shape == (b, k // codes.super_size, 16)
-    assert packed.hi is None if codes.bits == 4 else packed.hi.shape == (b, k // 32, codes.bits - 4, 8, 8)
+    assert packed.lo.shape == (b, k // 32, 8 if codes.bits == 8 else 4, 16, 4)
+    assert packed.d.shape == (b, k // codes.super_size, 16)
+    assert packed.hi is None if codes.bits in (4, 8) else packed.hi.shape == (b, k // 32, codes.bits - 4, 8, 8)
     pad = b * 16 - n
     if pad:  # the last block's rows n.. : zero codes and scales
         last = 16 - pad
@@ -186,7 +187,7 @@ def test_encode_q4_1_keeps_a_q4_1_tensors_codes():
     assert same_codes(encode_q4_1(dequantize(stored)), stored)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.F16, T.Q8_0, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.F16, T.IQ4_NL], ids=lambda t: t.name)
 def test_unsupported_type_is_named(qtype):
     with pytest.raises(ValueError, match=qtype.name):
         decode(np.zeros(1024, np.uint8), qtype, (1, 256))
@@ -198,3 +199,17 @@ def test_wrong_byte_count_is_refused():
         decode(raw[:3], T.Q4_K, (4, 512))
     with pytest.raises(ValueError, match="blocks of 256"):
         decode(raw, T.Q4_K, (4, 480))
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_0, T.Q5_1, T.Q8_0), (T.Q3_K, T.Q2_K, T.Q5_K),
+                                   (T.Q4_1, T.Q6_K)], ids=lambda ts: "+".join(t.name for t in ts))
+def test_concat_rows_of_mixed_types_keeps_every_value(types):
+    """Fused projections of tensors of different types: one form, each row's values unchanged
+    (to fp32 rounding where an offset folds into the min term: its products are exact, their
+    difference is rounded once where gguf rounds the product once)."""
+    parts = [decode(random_raw(t, 5 + i, 512, seed=i), t, (5 + i, 512)) for i, t in enumerate(types)]
+    merged = gguf_codes.concat_rows(parts)
+    want = np.concatenate([dequantize(p) for p in parts])
+    got = dequantize(merged)
+    np.testing.assert_allclose(got, want, rtol=2 ** -22, atol=np.abs(want).max() * 2 ** -23)
+    assert same_codes(unpack(pack(merged)), merged)
