@@ -39,10 +39,11 @@ from carpool.server.protocol import (
     error_body,
     parse_request,
 )
-from carpool.server.serving import ClientDisconnected, ServingContext
+from carpool.server.serving import RETRY_AFTER_SECONDS, ClientDisconnected, ServingContext
 
 log = logging.getLogger("carpool.server")
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
@@ -57,8 +58,45 @@ def route_path(scope) -> str:
 
 
 async def _send_error(scope, receive, send, status: int, message: str,
-                      headers: dict[str, str] | None = None) -> None:
-    await JSONResponse(error_body(message, status), status_code=status, headers=headers)(scope, receive, send)
+                      headers: dict[str, str] | None = None, code: str | None = None) -> None:
+    await JSONResponse(error_body(message, status, code=code), status_code=status, headers=headers)(
+        scope, receive, send)
+
+
+class OverloadGuard:
+    """--max-waiting-requests, checked before the body is read: a full queue answers 503 at once
+    instead of after receiving, parsing and tokenising a request it cannot take. A request let
+    through counts as waiting (`ctx.admitting`) until the handler has submitted it
+    (`scope["state"]["release_admission"]`, called by ServingContext.submit) or has ended."""
+
+    def __init__(self, app, ctx: ServingContext, paths: frozenset[str]):
+        self.app = app
+        self.ctx = ctx
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        reason = self.ctx.overloaded()
+        if reason is not None:
+            await _send_error(scope, receive, send, 503, reason, {"Retry-After": str(RETRY_AFTER_SECONDS)},
+                              code="overloaded")
+            return
+        held = True
+        self.ctx.admitting += 1
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.ctx.admitting -= 1
+
+        scope.setdefault("state", {})["release_admission"] = release
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release()
 
 
 class ApiKeyMiddleware:
@@ -178,6 +216,7 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
     app.openapi = lambda: _openapi(app)
     app.state.ctx = ctx
     app.add_middleware(RequestGuard, max_body=options.max_request_body_bytes, paths=frozenset(BODY_MODELS))
+    app.add_middleware(OverloadGuard, ctx=ctx, paths=GENERATION_PATHS)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     if options.allowed_origins:  # outermost, so that preflights and errors carry the CORS headers

@@ -91,10 +91,10 @@ def logprobs_content(name: Callable[[int], str], token_ids: list[int], entries: 
 
 async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     arrival = time.monotonic()
-    p = await ctx.off_loop(prepare, ctx, await raw.body())
+    p = await ctx.off_loop(prepare, await raw.body(), ctx)
     req: ChatCompletionRequest = p.req
     try:
-        group = await ctx.submit(p, arrival, "messages")
+        group = await ctx.submit(p, arrival, "messages", raw)
     except APIError as e:  # the engine compiles a forced call's schema: a bad one is the tools' fault
         if e.status != 400 or "structured_outputs" not in e.message or req.effective_tool_choice in ("none", "auto"):
             raise

@@ -67,9 +67,9 @@ def logprobs_body(ctx: ServingContext, name: Callable[[int], str], token_ids: li
 
 async def create_completion(ctx: ServingContext, raw: Request) -> Response:
     arrival = time.monotonic()
-    p = await ctx.off_loop(prepare, ctx, await raw.body())
+    p = await ctx.off_loop(prepare, await raw.body(), ctx)
     req = p.req
-    group = await ctx.submit(p, arrival, "prompt")
+    group = await ctx.submit(p, arrival, "prompt", raw)
     base = {"id": p.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     want_lp = req.logprobs is not None
     name = ctx.token_namer(req)

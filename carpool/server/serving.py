@@ -5,9 +5,11 @@ The endpoints (completions.py, chat.py) only say how their request becomes promp
 parameters, and how one choice's progress becomes a chunk or a final choice. Everything about
 errors, usage, aborts and `[DONE]` lives here once.
 
-Parsing, chat templates and tokenisation run on one worker thread, never on the event loop: a
-large body or a slow template must not hold up /health or other clients' streams. One thread,
-because the tokenizer is one object and a tokenizer's settings are not safe to share.
+Parsing, chat templates and tokenisation run on worker threads, never on the event loop: a
+large body or a slow template must not hold up /health or other clients' streams. Bodies up to
+SMALL_BODY_BYTES take one pool and larger ones another, so requests with megabytes of prompt
+(seconds of tokenising each) never hold up a small one. The Rust tokenizer releases the GIL while
+it encodes and the threads share it read-only (nothing here sets its truncation or padding).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from carpool.tools.template import _variables, apply_chat_template, template_sou
 log = logging.getLogger("carpool.server")
 
 RETRY_AFTER_SECONDS = 1
+SMALL_BODY_BYTES = 64 << 10  # ~16k tokens of prompt: tens of milliseconds to tokenise
+PREPARE_THREADS = 2  # per pool
 # transformers' apply_chat_template parameters: a chat_template_kwargs key may not set these
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -173,16 +177,32 @@ class ServingContext:
         self.sampling_defaults = info.sampling_defaults
         self.created = int(time.time())
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
-        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-prepare")
+        self._small_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="carpool-prepare")
+        self._large_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="carpool-prepare-large")
+        # Generation requests let through by the overload guard (app.py) and not yet submitted:
+        # they count against --max-waiting-requests as the engine's waiting requests do.
+        self.admitting = 0
         self._warned_fields: set[str] = set()
         self.chat_template = options.chat_template_text()
 
     def close(self) -> None:
-        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small_pool, self._large_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    async def off_loop(self, fn: Callable, *args) -> Any:
-        """Run CPU work (parsing, templates, tokenisation) on the prepare thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+    async def off_loop(self, fn: Callable, body: bytes, *args) -> Any:
+        """`fn(*args, body)`: CPU work (parsing, templates, tokenisation) on a prepare thread of
+        the pool for the body's size."""
+        pool = self._small_pool if len(body) <= SMALL_BODY_BYTES else self._large_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, body))
+
+    def overloaded(self) -> str | None:
+        """Why a new generation request is refused (503), or None: the engine's waiting requests
+        and those being prepared already reach --max-waiting-requests."""
+        limit = self.options.max_waiting_requests
+        waiting = self.client.num_waiting + self.admitting
+        if limit is None or waiting < limit:
+            return None
+        return f"the server is overloaded: {waiting} requests are waiting (--max-waiting-requests {limit}); retry later"
 
     # ------------------------------------------------------------ validation (prepare thread)
     def _token_str(self, token_id: int) -> str:
@@ -317,7 +337,17 @@ class ServingContext:
         return params
 
     # ------------------------------------------------------------ submitting (event loop)
-    async def submit(self, prepared: Prepared, arrival: float, param: str) -> RequestGroup:
+    async def submit(self, prepared: Prepared, arrival: float, param: str, raw: Request | None = None) -> RequestGroup:
+        """Hand the request to the engine; from then on it counts as waiting there, no longer as
+        admitted by the overload guard (app.py)."""
+        try:
+            return await self._submit(prepared, arrival, param)
+        finally:
+            release = raw.scope.get("state", {}).get("release_admission") if raw is not None else None
+            if release is not None:
+                release()
+
+    async def _submit(self, prepared: Prepared, arrival: float, param: str) -> RequestGroup:
         if self.options.enable_log_requests:
             text = self.tokenizer.decode(prepared.entries[0][0]) if prepared.entries else ""
             log.info("request %s: %d choice(s), prompt %r", prepared.request_id, len(prepared.entries),
