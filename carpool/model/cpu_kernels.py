@@ -66,6 +66,10 @@ KERNELS: dict[str, tuple[str, str]] = {
                                 "int is_bf16, int num_threads"),
     "quantized_matmul_using": ("int", "ptr codes, ptr scale, ptr min, ptr x, ptr out, i64 tokens, i64 k, i64 n, "
                                       "int is_bf16, int num_threads, i64 amx_from"),
+    "kq_supported": ("int", ""),
+    "kq_gemm_supported": ("int", ""),
+    "kq_rows": ("void", "ptr w, ptr rows, i64 count, ptr out, int is_bf16"),
+    "kq_matmul": ("int", "ptr w, ptr x, ptr out, i64 tokens, int is_bf16, int num_threads, i64 tile_from"),
     "paged_attention_runs": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
                                     "ptr block_tables, i64 table_width, ptr context_lens, ptr query_starts, "
                                     "i64 num_runs, i64 num_heads, i64 num_kv_heads, i64 head_dim, i64 block_size, "
@@ -450,6 +454,85 @@ class QuantizedMatmul:
         return out
 
 
+class KQuantWeight(ctypes.Structure):
+    """csrc/kernels.h's KQuantWeight."""
+    _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("bits", ctypes.c_int64), ("offset", ctypes.c_int64), ("super_size", ctypes.c_int64),
+                ("m_sign", ctypes.c_float)]
+
+
+def has_kq_matmul() -> bool:
+    """Whether kquant.c's integer kernel runs here (AVX-512 VNNI, the library built)."""
+    lib = library()
+    return lib is not None and bool(lib.kq_supported())
+
+
+def has_kq_tiles() -> bool:
+    """Whether kquant.c's bf16 tile kernel (prefill from quantized weights) runs here."""
+    lib = library()
+    return lib is not None and bool(lib.kq_gemm_supported())
+
+
+# The tensors of a weight in kquant.c's form, in KQuantWeight's order (None where absent).
+KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+                  torch.Tensor | None]
+
+
+class KQuantMatmul:
+    """x @ W.T for a weight in csrc/kquant.c's form (codes, bit planes, sub-scales, fp16 super-block
+    factors; model/gguf_codes.py packs them). The struct of pointers is built once."""
+
+    def __init__(self, tensors: KQTensors, n: int, k: int, bits: int, offset: int, super_size: int,
+                 m_sign: float = -1.0):
+        lo, hi, sc, mn, d, m = tensors
+        blocks, groups = -(-n // 16), k // 32
+        planes = 0 if bits == 8 else bits - 4
+        expect = {"lo": ((blocks, groups, 8, 16, 4) if bits == 8 else (blocks, groups, 4, 16, 4), torch.uint8),
+                  "hi": ((blocks, groups, planes, 8, 8), torch.uint8) if planes else None,
+                  "sc": ((blocks, groups, 2, 16), torch.int8), "mn": ((blocks, groups, 2, 16), torch.int8),
+                  "d": ((blocks, k // super_size, 16), torch.float16),
+                  "m": ((blocks, k // super_size, 16), torch.float16)}
+        ok = (k % 32 == 0 and super_size in (32, 256) and k % super_size == 0 and bits in (4, 5, 6, 8)
+              and (hi is None) == (planes == 0) and d is not None)
+        for name, t in zip(expect, tensors):
+            if t is not None and (expect[name] is None or not (t.is_cpu and t.is_contiguous()
+                                                              and (tuple(t.shape), t.dtype) == expect[name])):
+                ok = False
+        if not ok:
+            _reject("KQuantMatmul", f"contiguous CPU tensors in kquant.c's form for n={n}, k={k}, bits={bits}, "
+                    f"super-blocks of {super_size}: " + ", ".join(f"{name} {list(v[0])} {v[1]}"
+                                                                  for name, v in expect.items() if v),
+                    **dict(zip(expect, tensors)))
+        self.n, self.k, self.tensors = n, k, tensors  # the tensors keep the pointers valid
+        self.form = (n, bits, offset, super_size, m_sign)
+        ptr = lambda t: None if t is None else t.data_ptr()
+        self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, m_sign)
+        self._matmul = functools.partial(library().kq_matmul, ctypes.byref(self.struct))
+
+    def __call__(self, x: torch.Tensor, tile_from: int) -> torch.Tensor:
+        """x: [tokens, k], fp32 or bf16; the bf16 tile kernel from `tile_from` tokens up (0: never)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.carpool.kq_matmul(x, *self.tensors, *self.form, tile_from)
+        x = x.contiguous()
+        if not (x.is_cpu and (x.dtype is _BF16 or x.dtype is _F32) and x.dim() == 2 and x.shape[1] == self.k):
+            _reject("kq_matmul", f"a CPU tensor [tokens, {self.k}], fp32 or bf16", x=x)
+        out = x.new_empty((x.shape[0], self.n))
+        if not self._matmul(x.data_ptr(), out.data_ptr(), x.shape[0], x.dtype is _BF16, torch.get_num_threads(),
+                            tile_from):
+            raise MemoryError("kq_matmul: no memory for the activations or the tiles")
+        return out
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized (embedding lookups; fp32: gguf-py's values exactly)."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.n):
+            raise IndexError(f"row ids out of range [0, {self.n})")
+        out = torch.empty((ids.numel(), self.k), dtype=dtype)
+        library().kq_rows(ctypes.byref(self.struct), ids.data_ptr(), ids.numel(), out.data_ptr(), dtype is _BF16)
+        return out
+
+
 # ---------------------------------------------------------------- the torch ops
 # `torch.ops.carpool.*`, for graphs: each calls its wrapper above (eagerly, with real tensors),
 # and its fake implementation gives the output's shape, dtype and strides for tracing. Eager
@@ -511,6 +594,18 @@ def _quantized_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 @_quantized_matmul_op.register_fake
 def _(x, codes, scale, low, n, amx_from):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.custom_op(f"{OPS}::kq_matmul", mutates_args=(), device_types="cpu")
+def _kq_matmul_op(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None, sc: torch.Tensor | None,
+                  mn: torch.Tensor | None, d: torch.Tensor, m: torch.Tensor | None, n: int, bits: int, offset: int,
+                  super_size: int, m_sign: float, tile_from: int) -> torch.Tensor:
+    return KQuantMatmul((lo, hi, sc, mn, d, m), n, x.shape[1], bits, offset, super_size, m_sign)(x, tile_from)
+
+
+@_kq_matmul_op.register_fake
+def _(x, lo, hi, sc, mn, d, m, n, bits, offset, super_size, m_sign, tile_from):
     return x.new_empty((x.shape[0], n))
 
 

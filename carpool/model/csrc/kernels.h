@@ -22,6 +22,26 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+static inline float half_to_float(uint16_t h) {  /* IEEE fp16 -> fp32, exact */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t u;
+    if (exponent == 0x1fu) {
+        u = sign | 0x7f800000u | (mantissa << 13);  /* inf, nan */
+    } else if (exponent) {
+        u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) {  /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = mantissa;
+        do { e++; m <<= 1; } while (!(m & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -57,6 +77,15 @@ typedef struct {
     float eps, scale;
 } DecoderShape;
 
+/* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row. */
+typedef struct {
+    const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
+    const int8_t *sc, *mn;    /* per 16 input channels, or NULL (1) */
+    const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
+    int64_t n, k, bits, offset, super_size;
+    float m_sign;
+} KQuantWeight;
+
 /* The library's entry points: model/cpu_kernels.py reads these prototypes. */
 
 int quant_gemv_supported(void);
@@ -65,6 +94,11 @@ int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t
                      int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
 int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                            int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, int64_t amx_from);
+int kq_supported(void);
+int kq_gemm_supported(void);
+void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *out, int is_bf16);
+int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
+              int64_t tile_from);
 int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
                          void *k_cache, void *v_cache, const int64_t *block_tables,
                          int64_t table_width, const int64_t *context_lens, const int64_t *query_starts,

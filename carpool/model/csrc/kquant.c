@@ -1,0 +1,395 @@
+/* Matrix products from GGUF's quantized weights as stored: the legacy types (Q4_0 .. Q5_1, Q8_0),
+   the K-quants (Q2_K .. Q6_K), and carpool's own int4 / int8 forms, with no dense copy beside
+   them (model/quant.py owns the Python side, model/gguf_codes.py the packing).
+
+   Every type is one form (KQuantWeight in kernels.h):
+       w = (d * sc) * (q - offset) + m_sign * (m * mn)
+   q an unsigned code of 4..8 bits; sc, mn int8 per row and 16 input channels (absent: 1); d, m
+   fp16 per row and super-block of 32 or 256 channels (m absent: no min term). The 4-bit plane
+   is quant_gemv.c's int4 layout (16 output rows per block, 4 channels of every row per 64 bytes;
+   a group of 32 channels in 256 bytes, its second 16 in the high nibbles); 5 and 6 bits add one
+   or two bit planes of 64 bytes per group (bit i of mask j is byte i of the group's j-th 64 bytes
+   of codes, once unpacked); 8 bits store the codes as bytes, 512 per group (quant_gemv.c's
+   int8 layout). Unpacked, a group is 8 vectors of 64 bytes, vector j holding channels
+   4j .. 4j + 3 of the 16 rows, row r's at bytes 4r .. 4r + 3.
+
+   Two ways to multiply, by token count:
+   - few tokens (decode): the weights stream from memory once and nothing is reused, so bytes
+     read are the cost. The activations are quantized to int8 per group of 32 (as GGUF's Q8_0),
+     and `vpdpbusd` multiplies the codes by them in integers, a group's two halves of 16 channels
+     apart (each may have its own scale); the offset comes back out of the integer sums exactly
+     (sum((q - o) x) = sum(q x) - o sum(x)), and the fp32 scales apply once per half. The result
+     is the dequantized weights times the int8-rounded activations.
+   - many tokens (prefill chunks): the work is the multiply-adds. A block of 16 rows (two at a
+     time) is dequantized once into a bf16 tile in cache, then `vdpbf16ps` runs it against the
+     chunk's tokens in tiles of 12, each weight vector reused 12 times from a register; the
+     dequantization is spread over every token of the chunk. This is the dequantized weights,
+     rounded to bf16, times the bf16 activations: the arithmetic of a bf16 GEMM.
+   Without AVX-512 VNNI `kq_supported` says 0; without AVX512-BF16 and VBMI (for the tile's byte
+   shuffles) the integer kernel runs at every size. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_KQ 1
+#include <immintrin.h>
+#include <omp.h>
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define HAVE_KQ_GEMM 1
+#endif
+#endif
+
+#define KQ_GROUP 32
+#define KQ_ROWS 16
+#define KQ_TILE 4         /* tokens per pass of the integer kernel: accumulators in registers */
+#define GEMM_TOKENS 12    /* tokens per pass of the bf16 kernel: 2 blocks x 12 = 24 accumulators */
+
+int kq_supported(void) {
+#ifdef HAVE_KQ
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int kq_gemm_supported(void) {
+#ifdef HAVE_KQ_GEMM
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline int64_t kq_groups(const KQuantWeight *w) { return w->k / KQ_GROUP; }
+
+/* Bytes of one group of one block: the 4-bit plane or the bytes, and the extra bit planes. */
+static inline int64_t code_bytes(const KQuantWeight *w) { return w->bits == 8 ? 512 : 256; }
+static inline int64_t plane_count(const KQuantWeight *w) { return w->bits == 8 ? 0 : w->bits - 4; }
+
+/* One weight's value, in the form's fp32 order (reference and embedding rows): the products
+   are exact, so two roundings, as gguf-py's; no contraction into an FMA, which would make one. */
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+static float kq_value(const KQuantWeight *w, int64_t row, int64_t c) {
+    const int64_t b = row / KQ_ROWS, r = row % KQ_ROWS, g = c / KQ_GROUP, within = c % KQ_GROUP;
+    const int64_t bg = b * kq_groups(w) + g;
+    int q;
+    if (w->bits == 8) {
+        q = w->lo[bg * 512 + (within / 4) * 64 + r * 4 + within % 4];
+    } else {
+        const int high = within >= 16, j = (int)(within % 16) / 4;
+        const uint8_t byte = w->lo[bg * 256 + j * 64 + r * 4 + within % 4];
+        q = high ? byte >> 4 : byte & 15;
+        const int64_t mask = high ? j + 4 : j, bit = r * 4 + within % 4;
+        for (int64_t p = 0; p < plane_count(w); p++) {
+            const uint8_t *plane = w->hi + (bg * plane_count(w) + p) * 64 + mask * 8;
+            q |= ((plane[bit / 8] >> (bit % 8)) & 1) << (4 + p);
+        }
+    }
+    const int64_t supers = w->k / w->super_size, s = c / w->super_size, sub = (bg * 2 + within / 16) * KQ_ROWS + r;
+    const float d = half_to_float(w->d[(b * supers + s) * KQ_ROWS + r]);
+    float v = (d * (float)(w->sc ? w->sc[sub] : 1)) * (float)(q - w->offset);
+    if (w->m) v += w->m_sign * (half_to_float(w->m[(b * supers + s) * KQ_ROWS + r]) * (float)(w->mn ? w->mn[sub] : 1));
+    return v;
+}
+
+/* Rows `rows[i]` of the weight, dequantized into out [count, k] (fp32, or bf16 rounded from it):
+   embedding lookups, and the reference the tests compare the packing with. */
+void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *out, int is_bf16) {
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t c = 0; c < w->k; c++) {
+            const float v = kq_value(w, rows[i], c);
+            if (is_bf16) ((uint16_t *)out)[i * w->k + c] = float_to_bf16(v);
+            else ((float *)out)[i * w->k + c] = v;
+        }
+}
+
+#ifdef HAVE_KQ
+
+/* A group's codes, unpacked to 8 vectors of bytes (see the top). */
+static inline __attribute__((always_inline)) void group_codes(const KQuantWeight *w, int64_t bg, __m512i q[8]) {
+    if (w->bits == 8) {
+        for (int j = 0; j < 8; j++) q[j] = _mm512_loadu_si512(w->lo + bg * 512 + j * 64);
+        return;
+    }
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; j++) {
+        const __m512i p = _mm512_loadu_si512(w->lo + bg * 256 + j * 64);
+        q[j] = _mm512_and_si512(p, nibble);
+        q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+    }
+    const int64_t planes = plane_count(w);
+    for (int64_t p = 0; p < planes; p++) {
+        const uint8_t *plane = w->hi + (bg * planes + p) * 64;
+        const __m512i bit = _mm512_set1_epi8((char)(16 << p));
+        for (int j = 0; j < 8; j++) {
+            __mmask64 mask;
+            memcpy(&mask, plane + j * 8, sizeof mask);
+            q[j] = _mm512_mask_add_epi8(q[j], mask, q[j], bit);
+        }
+    }
+}
+
+/* A group's fp32 factors per row: scale[u] = d * sc and bias[u] = m_sign * m * mn for its halves
+   u = 0, 1 (channels 0..15, 16..31). */
+static inline __attribute__((always_inline)) void group_scales(const KQuantWeight *w, int64_t b, int64_t g,
+                                                               __m512 scale[2], __m512 bias[2]) {
+    const int64_t supers = w->k / w->super_size, at = (b * supers + g * KQ_GROUP / w->super_size) * KQ_ROWS;
+    const int64_t bg = b * kq_groups(w) + g;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + at)));
+    const __m512 m = w->m ? _mm512_mul_ps(_mm512_set1_ps(w->m_sign),
+                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + at))))
+                          : _mm512_setzero_ps();
+    for (int u = 0; u < 2; u++) {
+        const int64_t sub = (bg * 2 + u) * KQ_ROWS;
+        scale[u] = w->sc ? _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128((const __m128i *)(w->sc + sub))))) : d;
+        bias[u] = w->mn ? _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128((const __m128i *)(w->mn + sub))))) : m;
+    }
+}
+
+/* ---------------------------------------------------------------- the integer kernel */
+
+/* The activations of one call: x ~ q * scale per group of 32, with per-half sums. */
+typedef struct {
+    int8_t *q;       /* [tokens, k] */
+    float *scale;    /* [tokens, groups] */
+    float *sum;      /* [tokens, groups, 2]: the sum of x over each half (the min term) */
+    int32_t *qsum;   /* [tokens, groups, 2]: the sum of q over each half (the offset) */
+    int64_t groups;
+} HalfActivations;
+
+static inline __m512 load16f(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, HalfActivations *a) {
+    a->groups = k / KQ_GROUP;
+    const int64_t values = tokens * a->groups;
+    char *mem = malloc((sizeof(float) * 3 + sizeof(int32_t) * 2) * (size_t)values + (size_t)(tokens * k));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sum = a->scale + values;
+    a->qsum = (int32_t *)(a->sum + 2 * values);
+    a->q = (int8_t *)(a->qsum + 2 * values);
+    for (int64_t v = 0; v < values; v++) {
+        const int64_t i = v * KQ_GROUP;
+        const __m512 lo = load16f(x, i, is_bf16), hi = load16f(x, i + 16, is_bf16);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        _mm_storeu_si128((__m128i *)(a->q + i), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(a->q + i + 16), _mm512_cvtsepi32_epi8(qhi));
+        a->scale[v] = top / 127.f;
+        a->sum[2 * v] = _mm512_reduce_add_ps(lo), a->sum[2 * v + 1] = _mm512_reduce_add_ps(hi);
+        a->qsum[2 * v] = _mm512_reduce_add_epi32(qlo), a->qsum[2 * v + 1] = _mm512_reduce_add_epi32(qhi);
+    }
+    return 1;
+}
+
+/* 16 rows of one token's output; rows past `live` are not written. */
+static inline void kq_store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
+    const __mmask16 mask = live >= KQ_ROWS ? 0xffff : (__mmask16)((1u << live) - 1);
+    if (!is_bf16) {
+        _mm512_mask_storeu_ps((float *)out + i, mask, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);  /* round to nearest even, as torch does */
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* Block b of the weight against `tn` tokens from t0 (tn constant where inlined). */
+static inline __attribute__((always_inline)) void int_block(const KQuantWeight *w, const HalfActivations *a,
+                                                            int64_t b, int64_t t0, const int tn, __m512 acc[KQ_TILE]) {
+    const int64_t groups = a->groups, k = w->k;
+    for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t bg = b * groups + g;
+        _mm_prefetch((const char *)(w->lo + (bg + 8) * code_bytes(w)), _MM_HINT_T0);
+        __m512i q[8];
+        __m512 scale[2], bias[2];
+        group_codes(w, bg, q);
+        group_scales(w, b, g, scale, bias);
+        for (int t = 0; t < tn; t++) {
+            const int64_t v = (t0 + t) * groups + g;
+            int32_t quads[8];
+            memcpy(quads, a->q + (t0 + t) * k + g * KQ_GROUP, sizeof quads);
+            __m512i h0 = _mm512_set1_epi32(-(int32_t)w->offset * a->qsum[2 * v]);
+            __m512i h1 = _mm512_set1_epi32(-(int32_t)w->offset * a->qsum[2 * v + 1]);
+            for (int j = 0; j < 4; j++) {
+                h0 = _mm512_dpbusd_epi32(h0, q[j], _mm512_set1_epi32(quads[j]));
+                h1 = _mm512_dpbusd_epi32(h1, q[j + 4], _mm512_set1_epi32(quads[j + 4]));
+            }
+            const __m512 xs = _mm512_set1_ps(a->scale[v]);
+            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(h0), _mm512_mul_ps(scale[0], xs));
+            y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), _mm512_mul_ps(scale[1], xs), y);
+            if (w->m) {
+                y = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v]), y);
+                y = _mm512_fmadd_ps(bias[1], _mm512_set1_ps(a->sum[2 * v + 1]), y);
+            }
+            acc[t] = _mm512_add_ps(acc[t], y);
+        }
+    }
+}
+
+static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
+    HalfActivations a;
+    if (!quantize_halves(x, is_bf16, tokens, w->k, &a)) return 0;
+    const int64_t n = w->n;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+        for (int64_t t0 = 0; t0 < tokens; t0 += KQ_TILE) {
+            __m512 acc[KQ_TILE];
+            const int64_t tn = tokens - t0 < KQ_TILE ? tokens - t0 : KQ_TILE;
+            if (tn == 4) int_block(w, &a, b, t0, 4, acc);
+            else if (tn == 3) int_block(w, &a, b, t0, 3, acc);
+            else if (tn == 2) int_block(w, &a, b, t0, 2, acc);
+            else int_block(w, &a, b, t0, 1, acc);
+            for (int64_t t = 0; t < tn; t++) kq_store16(out, (t0 + t) * n + b * KQ_ROWS, acc[t], n - b * KQ_ROWS, is_bf16);
+        }
+    }
+    free(a.scale);
+    return 1;
+}
+
+#endif
+
+/* ---------------------------------------------------------------- the bf16 tile kernel */
+
+#ifdef HAVE_KQ_GEMM
+
+/* Block b dequantized into a bf16 tile: channel pair p's 16 rows at tile + p * stride (bytes),
+   row r's two channels in 32-bit lane r, as vdpbf16ps takes them. */
+static void dequantize_block(const KQuantWeight *w, int64_t b, uint8_t *tile, int64_t stride) {
+    /* bytes [row r][channel c] -> [channel c][row r], and two channels' bf16 interleaved per row */
+    uint8_t by_channel[64];
+    uint16_t pairs[32];
+    for (int c = 0; c < 4; c++)
+        for (int r = 0; r < 16; r++) by_channel[c * 16 + r] = (uint8_t)(r * 4 + c);
+    for (int i = 0; i < 16; i++) pairs[2 * i] = (uint16_t)i, pairs[2 * i + 1] = (uint16_t)(32 + i);
+    const __m512i transpose = _mm512_loadu_si512(by_channel), interleave = _mm512_loadu_si512(pairs);
+    for (int64_t g = 0; g < kq_groups(w); g++) {
+        __m512i q[8];
+        __m512 scale[2], bias[2];
+        group_codes(w, b * kq_groups(w) + g, q);
+        group_scales(w, b, g, scale, bias);
+        for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
+            bias[u] = _mm512_fnmadd_ps(scale[u], _mm512_set1_ps((float)w->offset), bias[u]);
+        for (int j = 0; j < 8; j++) {
+            const __m512i t = _mm512_permutexvar_epi8(transpose, q[j]);
+            __m256bh h[4];
+            for (int c = 0; c < 4; c++) {
+                const __m128i lane = c == 0 ? _mm512_extracti32x4_epi32(t, 0) : c == 1 ? _mm512_extracti32x4_epi32(t, 1)
+                                   : c == 2 ? _mm512_extracti32x4_epi32(t, 2) : _mm512_extracti32x4_epi32(t, 3);
+                const __m512 v = _mm512_fmadd_ps(scale[j / 4], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane)), bias[j / 4]);
+                h[c] = _mm512_cvtneps_pbh(v);
+            }
+            for (int p = 0; p < 2; p++) {
+                const __m512i both = _mm512_permutex2var_epi16(_mm512_castsi256_si512((__m256i)h[2 * p]), interleave,
+                                                               _mm512_castsi256_si512((__m256i)h[2 * p + 1]));
+                _mm512_storeu_si512(tile + ((g * KQ_GROUP + 4 * j) / 2 + p) * stride, both);
+            }
+        }
+    }
+}
+
+/* `tn` tokens of one token tile against a tile of `nb` blocks (constants where inlined). xp holds
+   the token tile's channel pairs token-minor ([pair][GEMM_TOKENS] 32-bit values), so that every
+   broadcast is at a constant offset from one pointer. */
+static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *tile, int64_t pairs, const uint32_t *xp,
+                                                              const int tn, const int nb, void *out, int64_t n,
+                                                              int64_t t0, int64_t row0) {
+    __m512 acc[2][GEMM_TOKENS];
+    for (int i = 0; i < nb; i++)
+        for (int t = 0; t < tn; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64 * nb);
+        const __m512bh w1 = nb == 2 ? (__m512bh)_mm512_loadu_si512(tile + p * 128 + 64) : w0;
+        const uint32_t *x = xp + p * GEMM_TOKENS;
+        for (int t = 0; t < tn; t++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[t]);
+            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xb);
+            if (nb == 2) acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xb);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int t = 0; t < tn; t++)
+            kq_store16(out, (t0 + t) * n + row0 + i * KQ_ROWS, acc[i][t], n - row0 - i * KQ_ROWS, 1);
+}
+
+#define TOKENS_CASES(NB)                                                                    \
+    switch (tn) {                                                                           \
+        case 12: tile_tokens(tile, pairs, xp, 12, NB, out, n, t0, row0); break;              \
+        case 11: tile_tokens(tile, pairs, xp, 11, NB, out, n, t0, row0); break;              \
+        case 10: tile_tokens(tile, pairs, xp, 10, NB, out, n, t0, row0); break;              \
+        case 9: tile_tokens(tile, pairs, xp, 9, NB, out, n, t0, row0); break;                \
+        case 8: tile_tokens(tile, pairs, xp, 8, NB, out, n, t0, row0); break;                \
+        case 7: tile_tokens(tile, pairs, xp, 7, NB, out, n, t0, row0); break;                \
+        case 6: tile_tokens(tile, pairs, xp, 6, NB, out, n, t0, row0); break;                \
+        case 5: tile_tokens(tile, pairs, xp, 5, NB, out, n, t0, row0); break;                \
+        case 4: tile_tokens(tile, pairs, xp, 4, NB, out, n, t0, row0); break;                \
+        case 3: tile_tokens(tile, pairs, xp, 3, NB, out, n, t0, row0); break;                \
+        case 2: tile_tokens(tile, pairs, xp, 2, NB, out, n, t0, row0); break;                \
+        default: tile_tokens(tile, pairs, xp, 1, NB, out, n, t0, row0); break;               \
+    }
+
+static int tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
+    const int64_t n = w->n, k = w->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+    const int64_t token_tiles = (tokens + GEMM_TOKENS - 1) / GEMM_TOKENS;
+    const size_t per_thread = (size_t)pairs * 128;
+    uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
+    uint32_t *packed_x = calloc((size_t)(token_tiles * pairs * GEMM_TOKENS), sizeof(uint32_t));
+    if (!scratch || !packed_x) {
+        free(scratch), free(packed_x);
+        return 0;
+    }
+    for (int64_t t = 0; t < tokens; t++)  /* x's pairs, token-minor within each token tile */
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(packed_x + ((t / GEMM_TOKENS) * pairs + p) * GEMM_TOKENS + t % GEMM_TOKENS, x + t * k + 2 * p, 4);
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint8_t *tile = scratch + per_thread * (size_t)omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t two = 0; two < (blocks + 1) / 2; two++) {
+            const int64_t b = 2 * two, row0 = b * KQ_ROWS;
+            const int nb = b + 1 < blocks ? 2 : 1;
+            for (int i = 0; i < nb; i++) dequantize_block(w, b + i, tile + i * 64, 64 * nb);
+            for (int64_t t0 = 0; t0 < tokens; t0 += GEMM_TOKENS) {
+                const int64_t tn = tokens - t0 < GEMM_TOKENS ? tokens - t0 : GEMM_TOKENS;
+                const uint32_t *xp = packed_x + (t0 / GEMM_TOKENS) * pairs * GEMM_TOKENS;
+                if (nb == 2) { TOKENS_CASES(2) } else { TOKENS_CASES(1) }
+            }
+        }
+    }
+    free(scratch), free(packed_x);
+    return 1;
+}
+
+#endif
+
+/* out[tokens, n] = x[tokens, k] @ W.T (x, out fp32 or bf16 by is_bf16, rows dense): the bf16
+   tile kernel from `tile_from` tokens up (bf16 only, where the CPU has it; 0: never), the integer
+   kernel below. Returns 0 when out of memory or when this CPU runs neither. */
+int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
+              int64_t tile_from) {
+#ifdef HAVE_KQ_GEMM
+    if (is_bf16 && tile_from > 0 && tokens >= tile_from)
+        return tile_matmul(w, (const uint16_t *)x, out, tokens, num_threads);
+#endif
+#ifdef HAVE_KQ
+    (void)tile_from;
+    return int_matmul(w, x, out, tokens, is_bf16, num_threads);
+#else
+    (void)w, (void)x, (void)out, (void)tokens, (void)is_bf16, (void)num_threads, (void)tile_from;
+    return 0;
+#endif
+}

@@ -1,0 +1,141 @@
+"""csrc/kquant.c: GGUF's quantized weights multiplied as stored.
+
+- Its reading of the packed layout gives gguf-py's dequantized values bit for bit (kq_rows).
+- The integer kernel equals the dequantized weights times the int8-rounded activations, to fp32
+  summation and the output's rounding; the int8 rounding itself stays within its bound.
+- The bf16 tile kernel equals the bf16-rounded dequantized weights times the bf16 activations,
+  to fp32 summation and the output's rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.model import cpu_kernels, gguf_codes
+from tests.helpers import examples
+from tests.model.test_gguf_codes import TYPES, random_raw
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_matmul(), reason="needs AVX-512 VNNI (csrc/kquant.c)")
+
+
+def kernel_for(codes: gguf_codes.QuantCodes) -> cpu_kernels.KQuantMatmul:
+    p = gguf_codes.pack(codes)
+    t = lambda a: None if a is None else torch.from_numpy(a)
+    return cpu_kernels.KQuantMatmul((t(p.lo), t(p.hi), t(p.sc), t(p.mn), t(p.d), t(p.dmin)), p.n, p.k, p.bits,
+                                    p.offset, p.super_size)
+
+
+def random_codes(qtype: T, n: int, k: int, seed: int = 0) -> tuple[gguf_codes.QuantCodes, np.ndarray]:
+    raw = random_raw(qtype, n, k, seed)
+    return gguf_codes.decode(raw, qtype, (n, k)), raw
+
+
+def int8_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the integer kernel sees it: int8 per group of 32, codes round(x * (127 / max|x|)) to
+    nearest and scale max|x| / 127; and, per channel, the step by which the kernel's code may
+    differ where x * 127 / max|x| lies within 2^-12 of a tie (the kernel's fp32 product may land
+    on the other side), else 0."""
+    g = x.float().reshape(x.shape[0], -1, 32)
+    top = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    scaled = g * inv
+    step = (top / 127).double()
+    near_tie = ((scaled - scaled.floor() - 0.5).abs() < 2 ** -12).double() * step
+    return ((torch.round(scaled).clamp(-127, 127).double() * step).reshape(x.shape),
+            near_tie.reshape(x.shape))
+
+
+def min_term(c: gguf_codes.QuantCodes) -> torch.Tensor:
+    """The weights' min term, -dmin * mn per channel: the integer kernel multiplies it by the
+    exact activations' sums, not by their int8 rounding."""
+    if c.dmin is None:
+        return torch.zeros(c.n, c.k, dtype=torch.float64)
+    low = np.repeat(c.dmin.astype(np.float64), c.super_size // 16, axis=1)
+    if c.mn is not None:
+        low = low * c.mn
+    return -torch.from_numpy(np.repeat(low, 16, axis=1))
+
+
+def assert_within(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, out_dtype: torch.dtype,
+                  slack: torch.Tensor | float = 0.0) -> None:
+    """|y - ref| <= output rounding (half an ulp of `out_dtype`: 2^-9 relative for bf16) + fp32
+    summation (2^-16 of sum |w x|: K <= 2^8 terms per thread's chain at 2^-24 each)."""
+    rounding = 2.0 ** -8 if out_dtype is torch.bfloat16 else 2.0 ** -23
+    bound = rounding * (ref.abs() + slack) + 2.0 ** -16 * magnitude + slack + 1e-30
+    excess = (y.double() - ref).abs() - bound
+    assert excess.max() <= 0, f"{(excess > 0).sum()} outputs past the bound, worst by {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_are_gguf_dequantized_values_bit_for_bit(qtype):
+    codes, raw = random_codes(qtype, 37, 512)
+    got = kernel_for(codes).rows(torch.arange(37)).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), gguf_dequantize(raw, qtype).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_integer_kernel_is_dequantized_weights_times_int8_activations(qtype, dtype):
+    n, k = 45, 512
+    codes, _ = random_codes(qtype, n, k, seed=1)
+    w = torch.from_numpy(gguf_codes.dequantize(codes)).double()
+    low = min_term(codes)
+    kernel = kernel_for(codes)
+    for tokens in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(tokens, k).to(dtype)
+        y = kernel(x, 0)
+        xq, tie_step = int8_rounded(x)
+        ref = xq @ (w - low).T + x.double() @ low.T
+        assert_within(y, ref, xq.abs() @ w.abs().T + x.double().abs() @ low.abs().T, dtype,
+                      slack=tie_step @ (w - low).abs().T)
+        # the activations' rounding: at most half a step (max |x_g| / 254) per channel
+        exact = x.double() @ w.T
+        step = x.double().abs().reshape(tokens, -1, 32).amax(-1).repeat_interleave(32, 1) / 254
+        assert ((ref - exact).abs() <= step @ (w - low).abs().T * (1 + 1e-9)).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.has_kq_tiles(), reason="needs AVX512-BF16 and VBMI")
+@settings(max_examples=examples(24), deadline=None)
+@given(qtype=st.sampled_from(TYPES), blocks=st.integers(1, 5), rows_short=st.integers(0, 15),
+       tokens=st.integers(1, 30), threads=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+def test_tile_kernel_is_bf16_weights_times_bf16_activations(qtype, blocks, rows_short, tokens, threads, seed):
+    """Any row count (odd block counts, a part-filled last block) and token count (every tile size)."""
+    n, k = max(1, blocks * 16 - rows_short), 256
+    codes, _ = random_codes(qtype, n, k, seed=seed)
+    w = torch.from_numpy(gguf_codes.dequantize(codes)).bfloat16().double()
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernel_for(codes)(x, 1)
+    finally:
+        torch.set_num_threads(saved)
+    assert_within(y, x.double() @ w.T, x.double().abs() @ w.abs().T, torch.bfloat16)
+
+
+def test_both_kernels_agree_across_the_switch():
+    """The same weights through either kernel: the two roundings apart, never more."""
+    codes, _ = random_codes(T.Q4_K, 64, 1024, seed=3)
+    kernel = kernel_for(codes)
+    x = torch.randn(20, 1024).bfloat16()
+    a, b = kernel(x, 0).double(), kernel(x, 1 if cpu_kernels.has_kq_tiles() else 0).double()
+    assert (a - b).abs().max() <= 0.03 * b.abs().max()
+
+
+def test_wrapper_refuses_mismatched_tensors():
+    codes, _ = random_codes(T.Q6_K, 16, 256)
+    p = gguf_codes.pack(codes)
+    t = lambda a: None if a is None else torch.from_numpy(a)
+    with pytest.raises(ValueError, match="KQuantMatmul"):  # planes of a 6-bit weight declared as 5-bit
+        cpu_kernels.KQuantMatmul((t(p.lo), t(p.hi), t(p.sc), t(p.mn), t(p.d), t(p.dmin)), 16, 256, 5, 32, 256)
+    kernel = kernel_for(codes)
+    with pytest.raises(ValueError, match="kq_matmul"):
+        kernel(torch.randn(2, 128), 0)
+    with pytest.raises(IndexError):
+        kernel.rows(torch.tensor([16]))
