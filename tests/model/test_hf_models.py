@@ -29,8 +29,8 @@ def write_checkpoint(folder, tokenizer, arch: str = "Llama", **overrides) -> tor
                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=10000.0)
     cfg.update(overrides)
-    config = getattr(transformers, f"{arch}Config")(**cfg)
-    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    config = getattr(transformers, f"{arch}Config")(**cfg)  # arch "Gemma3Text": Gemma3TextConfig
+    model = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM")(config)
     with torch.no_grad():  # random init is too tame to tell layouts apart; make logits spread
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -199,17 +199,23 @@ _TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_at
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
             "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-            "self_attn.k_norm": "attn_k_norm"}
+            "self_attn.k_norm": "attn_k_norm",
+            "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # phi3: fused as in HF
+# Gemma's post_attention_layernorm norms attention's output; ffn_norm is its pre-MLP norm.
+_GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str) -> None:
+def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader=None, pre: str = "",
+               vocab=None) -> None:
     """A float32 GGUF of `ref` as llama.cpp's converter lays it out (llama: Q/K rows interleaved
-    per head; qwen2 / qwen3 as in HF), with the embedded model's vocabulary under another
-    pre-tokenizer name."""
+    per head; qwen2 / qwen3 / phi3 / gemma as in HF, phi3's QKV and gate/up fused; gemma norms
+    stored as 1 + w, its sliding window and soft-caps in the metadata), with the embedded model's
+    vocabulary under another pre-tokenizer name, or `vocab(writer)`'s."""
     import gguf
 
     cfg = ref.config
-    field = lambda key: tokenizer_reader.fields[key].contents()
+    gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -220,26 +226,39 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # gemma3: the global layers'
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(field("tokenizer.ggml.tokens"))
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if vocab is None:
+        field = lambda key: tokenizer_reader.fields[key].contents()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(field("tokenizer.ggml.tokens"))
+        w.add_token_types(field("tokenizer.ggml.token_type"))
+        w.add_token_merges(field("tokenizer.ggml.merges"))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        vocab(w)
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{_TO_GGUF[module]}.{kind}"
+            gname = f"blk.{i}.{(_GEMMA_TO_GGUF if gemma else _TO_GGUF)[module]}.{kind}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
         t = t.float().numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp's converter folds Gemma's x * (1 + w) into the stored weight
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape).copy()
@@ -250,14 +269,16 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader, pre: str
     w.close()
 
 
-@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), *(pytest.param(*p, marks=pytest.mark.slow)
-                                                  for p in [("qwen2", "qwen2"), ("qwen3", "qwen2")])])
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("phi3", "llama-bpe"),
+                                       *(pytest.param(*p, marks=pytest.mark.slow)
+                                         for p in [("qwen2", "qwen2"), ("qwen3", "qwen2")])])
 def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch, pre):
+    """phi3: llama.cpp keeps Phi-3's fused attn_qkv and stacks gate and up in one ffn_up."""
     from transformers import AutoTokenizer
 
     from carpool.model.loader import open_gguf
 
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    extra = {"qwen3": {"head_dim": 16}, "phi3": {"pad_token_id": 0, "sliding_window": None}}.get(arch, {})
     ref = write_checkpoint(tmp_path / "hf", engine_fp32.tokenizer, arch.capitalize(), tie_word_embeddings=True,
                            **extra)
     path = tmp_path / f"tiny-{arch}.gguf"
@@ -266,8 +287,90 @@ def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch, pre):
     cfg = engine.model_config
     assert cfg.architecture == f"{arch.capitalize()}ForCausalLM"
     assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
+    if arch == "phi3":
+        from gguf import GGUFReader
+
+        names = {t.name for t in GGUFReader(str(path)).tensors}
+        assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_gate.weight" not in names
     # carpool's own reader knows only the embedded model's pre-tokenizers; transformers reads these
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     text = "Hello there, friend: 12345 tokens!"
     assert engine.tokenizer.encode(text) == theirs.encode(text)
     assert_matches_transformers(engine, ref)
+
+
+# ---------------------------------------------------------------- Mistral GGUF with a SentencePiece vocabulary
+
+def spm_tokenizer(corpus: str):
+    """A small SentencePiece-style BPE as Llama 2 / Mistral ship one (`▁` for spaces, byte
+    fallback, <unk> <s> </s>), trained here, as transformers' LlamaTokenizer; and its vocabulary
+    as llama.cpp stores it (tokenizer model "llama": tokens, scores ranking the merges, types)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    special = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.train_from_iterator(corpus.splitlines(), trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=special + byte_tokens, show_progress=False))
+    vocab = tok.get_vocab()
+    merges = [tuple(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    hf = transformers.LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+    tokens = sorted(vocab, key=vocab.get)
+
+    def write_vocab(w) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([-float(i) for i in range(len(tokens))])  # a later token merges later
+        w.add_token_types([2, 3, 3] + [6] * len(byte_tokens) + [1] * (len(tokens) - 3 - len(byte_tokens)))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+    return hf, len(tokens), write_vocab
+
+
+def test_mistral_gguf_with_sentencepiece_vocab(tmp_path):
+    """llama.cpp converts Mistral to a `llama` GGUF (Q/K rows interleaved) with a SentencePiece
+    vocabulary: carpool tokenizes as the source tokenizer and transformers' GGUF reader do, and
+    generates as transformers."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    hf_tok, vocab_size, write_vocab = spm_tokenizer((Path(__file__).parent / "data" / "alice.txt").read_text())
+    ref = write_checkpoint(tmp_path / "hf", hf_tok, "Mistral", vocab_size=vocab_size, sliding_window=None)
+    path = tmp_path / "tiny-mistral.gguf"
+    write_gguf(path, ref, "llama", vocab=write_vocab)
+    engine = engine_for(path)
+    assert engine.model_config.vocab_size == vocab_size
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in (*PROMPTS, "Alice was beginning to get very tired of sitting by her sister", "  two\nlines é"):
+        ids = engine.tokenizer.encode(text)
+        assert ids[0] == 1 and ids == hf_tok.encode(text) == theirs.encode(text)
+    assert engine.tokenizer.decode(engine.tokenizer.encode(PROMPTS[0]), skip_special_tokens=True) == PROMPTS[0]
+    assert_matches_transformers(engine, ref)
+
+
+# ---------------------------------------------------------------- what does not load
+
+def test_unsupported_architecture_is_named(tmp_path, engine_fp32):
+    import gguf
+    import numpy as np
+
+    folder = tmp_path / "mamba"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "vocab_size": 16}))
+    engine_fp32.tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'.*Gemma2ForCausalLM"):
+        LLMEngine(model=str(folder), dtype="float32")
+    path = tmp_path / "tiny-mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'.*gemma3"):
+        LLMEngine(model=str(path), dtype="float32")

@@ -1,0 +1,118 @@
+"""Gemma 2 and Gemma 3 (text): tiny random checkpoints as HF folders and GGUF files, fp32 greedy
+equality with transformers. A sliding window of 8 tokens, shorter than the prompts and the
+generations, so the window decides the outputs; chunked prefill, a cached prefix and decodes
+all attend through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from carpool.engine import LLMEngine
+from carpool.model.compiled import can_compile
+from carpool.sampling_params import SamplingParams
+from tests.helpers import run_greedy
+from tests.model.test_hf_models import assert_matches_transformers, engine_for, write_checkpoint, write_gguf
+
+WINDOW = 8
+
+
+def gemma_checkpoint(folder, tokenizer, family: str, **overrides) -> torch.nn.Module:
+    """Gemma 2: layer 0 slides, layer 1 is global, both soft-capped. Gemma 3: layers 0 and 2 slide
+    (RoPE base 10000), 1 and 3 are global (base 1e6), q/k norms. Queries scaled by 24^-1/2, not
+    head_dim's 16^-1/2 (GGUF files hold no scale: llama.cpp takes head_dim's)."""
+    extra = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, pad_token_id=0,
+                 tie_word_embeddings=True)
+    if family == "gemma3":
+        extra.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    extra.update(overrides)
+    return write_checkpoint(folder, tokenizer, "Gemma2" if family == "gemma2" else "Gemma3Text", **extra)
+
+
+def gemma_gguf(tmp_path, tokenizer, model_path, family: str) -> tuple[torch.nn.Module, str]:
+    """The GGUF llama.cpp's converter writes, and the HF model it came from, shaped as llama.cpp
+    reads such a file: query scale head_dim^-1/2; Gemma 3's sliding layers five in six (all four
+    here, so every layer rotates with the local base)."""
+    from carpool.model.loader import open_gguf
+
+    overrides = dict(query_pre_attn_scalar=16)
+    if family == "gemma3":
+        overrides["layer_types"] = ["sliding_attention"] * 4
+    ref = gemma_checkpoint(tmp_path / "hf", tokenizer, family, **overrides)
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(path, ref, family, open_gguf(model_path), pre="smollm")
+    return ref, str(path)
+
+
+def assert_norms_hold_one_plus_w(engine: LLMEngine, ref: torch.nn.Module) -> None:
+    """Gemma computes x * (1 + w): carpool's norms hold 1 + w, from HF's w or GGUF's stored 1 + w."""
+    ours, theirs = engine.model.layers[1], ref.model.layers[1]
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        torch.testing.assert_close(getattr(ours, name).weight, 1 + getattr(theirs, name).weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(engine.model.norm.weight, 1 + ref.model.norm.weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family, source", [
+    ("gemma2", "gguf"), ("gemma3", "hf"),
+    pytest.param("gemma2", "hf", marks=pytest.mark.slow), pytest.param("gemma3", "gguf", marks=pytest.mark.slow)])
+def test_gemma_matches_transformers(tmp_path, engine_fp32, model_path, family, source):
+    if source == "hf":
+        ref = gemma_checkpoint(tmp_path, engine_fp32.tokenizer, family)
+        path = str(tmp_path)
+    else:
+        ref, path = gemma_gguf(tmp_path, engine_fp32.tokenizer, model_path, family)
+    engine = engine_for(path)
+    cfg = engine.model_config
+    assert cfg.architecture == {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    assert cfg.sliding_window == WINDOW and cfg.qk_norm == (family == "gemma3")
+    assert cfg.sliding_layers == ([0] if family == "gemma2" else [0, 2] if source == "hf" else [0, 1, 2, 3])
+    assert cfg.query_pre_attn_scalar == (24 if source == "hf" else 16)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == ((50.0, 30.0) if family == "gemma2" else (None, None))
+    assert cfg.rope_local_theta == (10000.0 if family == "gemma3" else None)
+    assert not cfg.llama_layers and not can_compile(engine.model)  # eager: masked attention, sandwich norms
+    assert_norms_hold_one_plus_w(engine, ref)
+    assert_matches_transformers(engine, ref)
+
+
+def test_gemma_gguf_norms_read_back_by_transformers(tmp_path, engine_fp32, model_path):
+    """The GGUF writer stores Gemma's norms as llama.cpp's converter does: transformers' GGUF
+    reader, which undoes llama.cpp's +1, gets the HF weights back."""
+    ref, path = gemma_gguf(tmp_path, engine_fp32.tokenizer, model_path, "gemma2")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.rsplit("/", 1)[1])
+    for name in ("model.layers.0.post_attention_layernorm.weight", "model.layers.0.pre_feedforward_layernorm.weight",
+                 "model.layers.1.post_feedforward_layernorm.weight", "model.norm.weight"):
+        torch.testing.assert_close(theirs.state_dict()[name], ref.state_dict()[name])
+
+
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_sliding_window_through_chunks_prefix_cache_and_decode(tmp_path, engine_fp32, family):
+    """Prompts of 40+ tokens prefilled in chunks of 6, the second one after the first's blocks are
+    cached (its prefill starts past two cached blocks), then 16 decodes each: every attention
+    path keeps each query to its last 8 keys, as transformers does."""
+    ref = gemma_checkpoint(tmp_path, engine_fp32.tokenizer, family)
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=6)
+    first = engine_fp32.tokenizer.encode(" ".join(str(i) for i in range(1, 25)))
+    assert len(first) >= 40
+    second = first[:36] + engine_fp32.tokenizer.encode(" and then some more words to read")
+    sp_tokens = 16
+    outputs = []
+    for prompt in (first, second):
+        req = engine.add_request(prompt, SamplingParams(max_tokens=sp_tokens, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs.append((prompt, req))
+    assert outputs[1][1].num_cached_tokens == 32  # two full 16-token blocks of the first prompt
+    unwindowed = type(ref)(type(ref.config)(**{**ref.config.to_dict(), "sliding_window": 4096}))
+    unwindowed.load_state_dict(ref.state_dict())
+    for prompt, req in outputs:
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=sp_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert not torch.allclose(ref(x).logits, unwindowed(x).logits, atol=1e-3)  # the window matters
+        assert req.output_token_ids == expected
+    # and a batch of both at once: decodes and chunks of other requests in the same steps
+    assert run_greedy(engine, [first, second], sp_tokens) == [req.output_token_ids for _, req in outputs]
+
