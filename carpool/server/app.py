@@ -23,18 +23,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from carpool.server import chat, completions
-from carpool.server.engine_client import EngineClient
+from carpool.server.engine_client import EngineClient, EngineDeadError
 from carpool.server.options import ServerOptions
 from carpool.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     TokenizeRequest,
     error_body,
     parse_request,
@@ -186,6 +187,27 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+ERRORS = {
+    400: "an invalid request; `param` names the field",
+    401: "a missing or wrong API key (--api-key)",
+    404: "a model this server does not serve (code model_not_found)",
+    413: "a body larger than --max-request-body-bytes",
+    415: "a body that is not application/json",
+    500: "a server fault; the message gives an error id to look up in the server log",
+    503: "overloaded (code overloaded, with Retry-After; --max-waiting-requests) or the engine is not "
+         "running (code engine_dead)",
+}
+
+
+NOT_RUNNING_503 = {503: "the engine is not running (code engine_dead)"}
+
+
+def _errors(*statuses: int, descriptions: dict[int, str] | None = None) -> dict:
+    """OpenAPI `responses` for these error statuses, each with the error body's schema."""
+    described = {**ERRORS, **(descriptions or {})}
+    return {s: {"model": ErrorResponse, "description": described[s]} for s in statuses}
+
+
 def _body(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
@@ -245,35 +267,43 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
         return JSONResponse(error_body(f"internal server error; see the server log (error id {error_id})", 500),
                             status_code=500)
 
-    @app.get("/health")
+    key = (401,) if options.api_key else ()  # the API key guards /v1/*, /tokenize, /detokenize
+    generating = {**_errors(400, *key, 404, 413, 415, 500, 503),
+                  200: {"description": "the response, or server-sent events with stream=true",
+                        "content": {"application/json": {}, "text/event-stream": {}}}}
+    health_responses = {**_errors(503, descriptions=NOT_RUNNING_503), 200: {"description": "the engine is serving", "content": {
+        "application/json": {"schema": {"type": "object", "required": ["status"],
+                                        "properties": {"status": {"type": "string", "enum": ["ok"]}}}}}}}
+
+    @app.get("/health", responses=health_responses)
     async def health():
         if client.healthy:
-            return Response(status_code=200)
+            return {"status": "ok"}
         return JSONResponse(error_body(client.dead_message(), 503), status_code=503)
 
     @app.get("/version")
     async def version():
         return {"version": importlib.metadata.version("carpool")}
 
-    @app.get("/ping")
+    @app.get("/ping", responses=health_responses)
     async def ping():  # SageMaker's and vLLM's liveness probe: /health's answer
         return await health()
 
-    @app.post("/ping")
+    @app.post("/ping", responses=health_responses)
     async def ping_post():
         return await health()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*key))
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": ctx.created, "owned_by": "carpool", "root": name,
              "parent": None, "max_model_len": ctx.max_model_len} for name in ctx.served_model_names]}
 
-    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest), responses=generating)
     async def create_completion(raw: Request):
         return await completions.create_completion(ctx, raw)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest), responses=generating)
     async def create_chat_completion(raw: Request):
         return await chat.create_chat_completion(ctx, raw)
 
@@ -293,17 +323,24 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(req.tokens)}
 
-    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest), responses=_errors(400, *key, 404, 413, 415, 500))
     async def tokenize(raw: Request):
         return await ctx.off_loop(_tokenize, await raw.body())
 
-    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest), responses=_errors(400, *key, 404, 413, 415, 500))
     async def detokenize(raw: Request):
         return await ctx.off_loop(_detokenize, await raw.body())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        **_errors(503, descriptions=NOT_RUNNING_503), 200: {"description": "the Prometheus exposition"}})
     async def metrics():
-        body, content_type = await client.render_metrics()
+        """The engine's exposition; 503 (a failed scrape) while the engine cannot answer."""
+        try:
+            body, content_type = await client.render_metrics()
+        except EngineDeadError as exc:
+            return JSONResponse(error_body(str(exc), 503, code="engine_dead"), status_code=503)
+        except TimeoutError:
+            return JSONResponse(error_body("the engine did not answer in time", 503), status_code=503)
         return Response(body, media_type=content_type)
 
     return app

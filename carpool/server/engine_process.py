@@ -14,8 +14,10 @@ Wire: one duplex `multiprocessing` pipe.
   makes on the event loop -- and ("metrics", token, body, content type) answers.
 
 Faults: the engine process dies (killed, crashed) -> the frontend's event loop sees the pipe close,
-fails every live request with EngineDeadError and /health turns 503. The frontend dies -> the
-engine's reader sees the pipe close and stops the loop; the process exits.
+fails every live request with EngineDeadError, /health and /metrics turn 503, and `on_death`
+runs (`carpool serve` then shuts the frontend down and exits 1, as vLLM's does: a supervisor
+restarts a server that cannot serve). The frontend dies -> the engine's reader sees the pipe
+close and stops the loop; the process exits.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from carpool.config import EngineConfig
@@ -249,6 +251,7 @@ class EngineProcess:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # the pipe has closed: the process is gone
         self._stopping = False
+        self.on_death: Callable[[], None] | None = None  # run on the event loop once the process has died
 
     # ------------------------------------------------------------ state
     @property
@@ -378,4 +381,6 @@ class EngineProcess:
         for future in self._metrics.values():
             if not future.done():
                 future.set_exception(error)
+        if self.error is not None and self.on_death is not None:
+            self.on_death()
 

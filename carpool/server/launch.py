@@ -7,7 +7,8 @@ In its own process it also keeps the frontend's per-token Python off its GIL (on
 two processes and the client still share the cores: BENCHMARKS.md). uvicorn handles the signals here: SIGTERM/SIGINT stop
 accepting, drain in-flight requests for up to --shutdown-timeout seconds, and run the app's
 lifespan end, which stops the engine process; then this process exits 0. If the engine process
-dies, /health turns 503 and requests fail with a clear error until the frontend is stopped.
+dies, in-flight requests fail with a clear error, /health turns 503, and this process shuts down
+the same way and exits 1 (as vLLM's frontend does), for a supervisor to restart the server.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
             timeout_graceful_shutdown=options.shutdown_timeout))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
+        engine.on_death = lambda: setattr(server, "should_exit", True)
         print(f"carpool: serving {app.state.ctx.model_name!r} on http://{options.host}:{options.port}/v1",
               file=sys.stderr, flush=True)
         server.run()
     finally:  # however uvicorn ended (stopped, or failed to bind), the engine process ends too
         engine.stop()
+    if engine.error is not None:
+        log.error("the engine process died; the server has shut down")
+        return 1
     return 0 if server.started else 1

@@ -38,6 +38,19 @@ class APIError(Exception):
         return error_body(self.message, self.status, self.param, self.code)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's shape), as error_body writes it."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"),
                       "param": param, "code": code}}

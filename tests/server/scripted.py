@@ -133,6 +133,8 @@ class ScriptedEngine:
                 self.num_aborted += 1
 
     async def render_metrics(self) -> tuple[bytes, str]:
+        if self._error is not None:  # as EngineProcess: the metrics live in the dead engine
+            raise EngineDeadError(self.dead_message())
         return self.metrics.render()
 
     def stop(self, timeout: float = 10.0) -> None:

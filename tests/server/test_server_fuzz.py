@@ -1,6 +1,7 @@
 """Schema fuzzing: schemathesis generates requests from the server's own OpenAPI schema (valid
-ones, then invalid ones in its negative mode); none may get a 5xx, and afterwards the engine
-holds nothing: 0 running, 0 waiting, 0% of the KV cache in use. The default suite fuzzes the
+ones, then invalid ones in its negative mode); none may get a 5xx, every answer conforms to the
+schema (a documented status, content type and body schema: errors in OpenAI's error body), and
+afterwards the engine holds nothing: 0 running, 0 waiting, 0% of the KV cache in use. The default suite fuzzes the
 app over the scripted engine, in process, with a bounded number of examples per operation; the
 slow suite a real server as well, and many more examples.
 
@@ -18,11 +19,17 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from carpool.server.app import BODY_MODELS, create_app
 from carpool.server.options import ServerOptions
 from tests.server.scripted import MODEL_NAME, ScriptedEngine
 
+CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_MODEL_LEN = 48  # bounds the work of any generated request: at most 4 choices x 48 tokens
 
 
@@ -79,6 +86,8 @@ def fuzz(api_schema, target: Target, max_examples: int) -> int:
                 response = target.call(case)
                 assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
                                                     response.text)
+                # the answer is one the schema documents: its status, content type and body schema
+                case.validate_response(response, checks=CONFORMANCE)
 
             run()
     return calls
@@ -109,3 +118,26 @@ def test_no_server_error_long(api_schema, target):
 
 def test_after_fuzzing_nothing_is_held(target):
     assert target.idle()
+
+
+def test_the_schema_documents_each_routes_errors(tokenizer, structured):
+    engine = ScriptedEngine(tokenizer, structured, len(tokenizer))
+    raw = create_app(engine, ServerOptions(api_key="k")).openapi()
+    codes = {f"{method.upper()} {path}": set(op["responses"]) for path, ops in raw["paths"].items()
+             for method, op in ops.items()}
+    generating = {"200", "400", "401", "404", "413", "415", "500", "503"}
+    assert codes["POST /v1/completions"] == codes["POST /v1/chat/completions"] == generating
+    assert codes["POST /tokenize"] == codes["POST /detokenize"] == generating - {"503"}
+    assert codes["GET /v1/models"] == {"200", "401"}
+    assert codes["GET /health"] == codes["GET /ping"] == codes["GET /metrics"] == {"200", "503"}
+    error = raw["paths"]["/tokenize"]["post"]["responses"]["413"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert raw["components"]["schemas"]["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
+    without_key = create_app(engine, ServerOptions()).openapi()
+    assert "401" not in without_key["paths"]["/v1/completions"]["post"]["responses"]
+
+
+@pytest.mark.anyio
+async def test_health_and_ping_answer_json(api):
+    for r in (await api.get("/health"), await api.get("/ping"), await api.post("/ping")):
+        assert r.status_code == 200 and r.json() == {"status": "ok"}

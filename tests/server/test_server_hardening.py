@@ -232,6 +232,8 @@ async def test_a_dead_engine_is_503_and_says_nothing_of_why(api, scripted):
     health = await api.get("/health")
     assert health.status_code == 503 and "the engine has stopped" in health.json()["error"]["message"]
     assert "scripted death" not in r.text + health.text
+    metrics = await api.get("/metrics")  # a failed scrape, never a 500
+    assert metrics.status_code == 503 and metrics.json()["error"]["code"] == "engine_dead"
 
 
 # ------------------------------------------------------------------ no internals in responses
