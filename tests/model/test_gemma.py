@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from carpool.engine import LLMEngine
+from carpool.model.attention import AttentionMetadata, PrefillChunk, masked_paged_attention
 from carpool.model.compiled import can_compile
 from carpool.sampling_params import SamplingParams
 from tests.helpers import run_greedy
@@ -53,6 +54,63 @@ def assert_norms_hold_one_plus_w(engine: LLMEngine, ref: torch.nn.Module) -> Non
         torch.testing.assert_close(getattr(ours, name).weight, 1 + getattr(theirs, name).weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(engine.model.norm.weight, 1 + ref.model.norm.weight, rtol=0, atol=1e-6)
 
+
+
+def naive_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, window: int,
+                   softcap: float | None, scale: float) -> torch.Tensor:
+    """One query at `position` over keys max(0, position - window + 1)..position, in fp64."""
+    group = q.shape[0] // k.shape[1]
+    first = max(0, position - window + 1)
+    ks = k[first:position + 1].double().repeat_interleave(group, dim=1)
+    vs = v[first:position + 1].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,chd->hc", q.double(), ks) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.einsum("hc,chd->hd", scores.softmax(-1), vs)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_masked_paged_attention_against_a_naive_window(softcap):
+    """One step of two decodes (the C kernel's metadata: no decode mask), a chunk with nothing
+    cached and a chunk over a cached prefix, with 4-token blocks and a window of 5: every query
+    sees its last 5 keys only, soft-capped or not."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block, window, num_blocks = 4, 2, 8, 4, 5, 16
+    # (tokens cached before the step, tokens in the step); decodes first, as the runner lays them out
+    seqs = [(12, 1), (2, 1), (0, 7), (9, 6)]
+    cache = torch.zeros(2, (num_blocks + 1) * block, kv_heads, dim)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, keys, values, slots, step_k, step_v = [], [], [], [], [], []
+    for cached, n in seqs:
+        used = -(-(cached + n) // block)
+        table, perm = perm[:used], perm[used:]
+        k, v = (torch.randn(cached + n, kv_heads, dim, generator=gen) for _ in range(2))
+        seq_slots = torch.tensor([table[i // block] * block + i % block for i in range(cached + n)])
+        cache[0, seq_slots[:cached]], cache[1, seq_slots[:cached]] = k[:cached], v[:cached]
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+        slots.append(seq_slots[cached:])
+        step_k.append(k[cached:])
+        step_v.append(v[cached:])
+    width = max(len(t) for t in tables[:2])
+    chunk_table = torch.tensor(tables[3])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), block_size=block, num_decodes=2,
+        decode_block_tables=torch.tensor([t + [num_blocks] * (width - len(t)) for t in tables[:2]]),
+        decode_context_lens=torch.tensor([13, 3]), decode_mask=None,
+        prefills=[PrefillChunk(2, 9, None, None),
+                  PrefillChunk(9, 15, chunk_table, torch.arange(len(tables[3]) * block)[None, :]
+                               <= torch.arange(9, 15)[:, None])])
+    q = torch.randn(15, heads, dim, generator=gen)
+    got = masked_paged_attention(q, torch.cat(step_k), torch.cat(step_v), cache, meta, 0.3, window, softcap)
+    row = 0
+    for (cached, n), k, v in zip(seqs, keys, values):
+        for position in range(cached, cached + n):
+            expected = naive_windowed(q[row], k, v, position, window, softcap, 0.3)
+            torch.testing.assert_close(got[row].double(), expected, rtol=1e-5, atol=1e-5)
+            row += 1
+    assert set(meta.masks) == {window}  # built once for the step, then shared by its layers
 
 @pytest.mark.parametrize("family, source", [
     ("gemma2", "gguf"), ("gemma3", "hf"),
