@@ -87,7 +87,8 @@ def hf_model_config(folder: Path) -> ModelConfig:
     rope = cfg.get("rope_parameters") or {}
     local_theta = None
     if archs[0] == "Gemma3ForCausalLM":  # global layers as below; sliding ones a base of their own
-        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)
+        local = rope.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)
         rope = rope.get("full_attention", rope)  # transformers 5 keys Gemma 3's RoPE by layer type
     rope_scaling = cfg.get("rope_scaling") or rope or None
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
