@@ -42,6 +42,36 @@ class GrammarError(ValueError):
         self.reason = reason
 
 
+# Schema keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_unique_items(schema):
+    """The schema without `uniqueItems`, which no grammar can hold (whether an item repeats one
+    before it is not context-free) and llguidance refuses. Pydantic writes it for every `set[...]`
+    field, so `client.chat.completions.parse()` with such a model sends it: the output keeps the
+    schema's shape, and its items may repeat. Only schema positions are walked: a property that
+    happens to be named "uniqueItems" stays."""
+    if isinstance(schema, list):  # "items": [...] (draft 4 tuples)
+        return [without_unique_items(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k != "uniqueItems"}
+    for key in _ONE:
+        if key in out:
+            out[key] = without_unique_items(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [without_unique_items(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: without_unique_items(s) for name, s in out[key].items()}
+    return out
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (JSON text) for a constraint. Raises ValueError when the
     constraint cannot even be turned into a grammar (e.g. a schema that is not a JSON object)."""
@@ -53,6 +83,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = {"type": "object"} if kind == "json_object" else params.json
         if isinstance(schema, str):
             schema = json.loads(schema)
+        schema = without_unique_items(schema)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern

@@ -38,6 +38,7 @@ class NamedCallParser(ToolParser):
     """The whole output is the arguments of the one named function."""
 
     name = "named"
+    forced = True
 
     def __init__(self, function: str):
         self.function = function
@@ -61,6 +62,7 @@ class RequiredCallsParser(ToolParser):
     grows (found by counting brackets outside strings)."""
 
     name = "required"
+    forced = True
 
     def __init__(self):
         self.depth = 0

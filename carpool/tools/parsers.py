@@ -82,6 +82,9 @@ class ToolParser(ABC):
     """One response's parser: stateful, so make one per choice."""
 
     name: ClassVar[str]
+    # The text was decoded under the calls' schema (tools/forced.py): arguments that are not whole
+    # JSON were cut short (max_tokens) and stay a call, as vLLM answers a named call cut that way.
+    forced: ClassVar[bool] = False
 
     @abstractmethod
     def feed(self, text: str) -> StreamDelta:
@@ -93,7 +96,8 @@ class ToolParser(ABC):
 
     def parse(self, text: str) -> ParsedMessage:
         """The whole text at once. A call whose arguments are not JSON makes the whole text
-        content (nothing is called), as vLLM does; streaming cannot take back what it sent."""
+        content (nothing is called), as vLLM does, unless the output was forced to be calls;
+        streaming cannot take back what it sent."""
         total = self.feed(text)
         total.add(self.finish())
         calls: dict[int, ToolCall] = {}
@@ -103,7 +107,7 @@ class ToolParser(ABC):
             else:
                 calls[d.index].arguments += d.arguments
         tool_calls = [calls[i] for i in sorted(calls)]
-        if not all(_is_json(c.arguments) for c in tool_calls):
+        if not self.forced and not all(_is_json(c.arguments) for c in tool_calls):
             return ParsedMessage(text, [])
         return ParsedMessage(total.content if total.content or not tool_calls else None, tool_calls)
 

@@ -303,3 +303,23 @@ def test_multi_turn_exchange(tool_server, client):
     assert json.dumps(TIME) in prompt
     assert f'{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' in prompt
     assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+
+
+async def test_a_named_call_cut_by_max_tokens_is_still_a_call(tools_http):
+    """As vLLM answers it: the call with the arguments decoded so far, finish_reason "length"."""
+    reply = '{"city": "Tokyo", "days": 3, "unit": "celsius"}'
+    body, chunks = await ask_scripted(tools_http, reply, tools=TOOLS, tool_choice=NAMED, max_tokens=5)
+    choice = body.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert reply.startswith(call.function.arguments) and len(call.function.arguments) < len(reply)
+    content, calls, finish = assemble(chunks)
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    calls = json.dumps([{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 3}}])
+    body, _ = await ask_scripted(tools_http, calls, tools=TOOLS, tool_choice="required", max_tokens=12)
+    choice = body.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and '{"city": "Tokyo", "days": 3}'.startswith(call.function.arguments)

@@ -74,3 +74,22 @@ def test_padding_ids_never_allowed_and_eos_only_when_complete(compiler, tokenize
     assert tokenizer.eos_token_id not in first
     assert m.consume_tokens(tokenizer.encode("{}", add_special_tokens=False))
     assert allowed(compiler, m) == {tokenizer.eos_token_id}
+
+
+def test_unique_items_is_accepted_as_the_shape_of_a_list(compiler, tokenizer):
+    """What `client.chat.completions.parse()` sends for a `set[int]` field: the output is held to
+    an array of integers (uniqueness is not something a grammar can hold)."""
+    from carpool.structured.grammar import without_unique_items
+
+    schema = {"type": "object", "required": ["ids"], "properties": {
+        "ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "uniqueItems": {"type": "string"}}}  # a property of that name is not the keyword
+    assert without_unique_items(schema)["properties"] == {"ids": {"type": "array", "items": {"type": "integer"}},
+                                                          "uniqueItems": {"type": "string"}}
+    nested = {"$defs": {"S": {"anyOf": [{"type": "array", "uniqueItems": True, "items": {"type": "string"}}]}}}
+    assert without_unique_items(nested) == {"$defs": {"S": {"anyOf": [{"type": "array", "items": {"type": "string"}}]}}}
+    m = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert m.consume_tokens(tokenizer.encode('{"ids": [1, 2, 2], "uniqueItems": "x"}', add_special_tokens=False))
+    assert tokenizer.eos_token_id in allowed(compiler, m)
+    m = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert not m.consume_tokens(tokenizer.encode('{"ids": ["a"]', add_special_tokens=False))
