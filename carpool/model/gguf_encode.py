@@ -20,7 +20,7 @@ Every rounding is round-half-even (llama.cpp's nearest_int), d and dmin are fp16
 `tensor_type` follows llama.cpp's llama_tensor_get_type (src/llama-quant.cpp) for dense models;
 its rules for 8-expert models, Falcon and 70B Llamas are left out. One change: where a row length is
 not a multiple of 256, llama.cpp gives Q2_K / Q3_K tensors IQ4_NL, which gguf-py cannot write nor
-carpool read; they get Q4_0 here (llama.cpp's fallback before IQ4_NL existed).
+carpool read; they get Q4_0 here, the 4-bit type llama.cpp falls back to for its ternary types.
 """
 
 from __future__ import annotations
@@ -248,7 +248,8 @@ def requantize_gguf(src: str, dst: str, mix: str) -> dict[str, str]:
     reader = GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     n_layers = _hparam(reader, f"{arch}.block_count", 0)
-    heads, kv_heads = _hparam(reader, f"{arch}.attention.head_count", 1), _hparam(reader, f"{arch}.attention.head_count_kv", 0)
+    heads = _hparam(reader, f"{arch}.attention.head_count", 1)
+    kv_heads = _hparam(reader, f"{arch}.attention.head_count_kv", heads)
     n_gqa = heads // kv_heads if kv_heads else 1
     tied = not any(t.name == "output.weight" for t in reader.tensors)
 
