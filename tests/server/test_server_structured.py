@@ -42,6 +42,10 @@ def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+class Picks(BaseModel):
+    ids: set[int]  # pydantic's schema: {"type": "array", "uniqueItems": true, ...}
+
+
 @pytest.fixture
 def scripted_client(api):
     return openai.AsyncOpenAI(base_url="http://scripted/v1", api_key="unused", max_retries=0, http_client=api)
@@ -58,6 +62,16 @@ async def test_parse_with_a_pydantic_model_scripted(scripted_client, scripted):
     assert completion.choices[0].finish_reason == "stop" and completion.choices[0].message.parsed == PARIS
     schema = scripted.added[0][1].structured_outputs.json
     assert set(schema["properties"]) == set(City.model_fields) and schema["additionalProperties"] is False
+
+
+async def test_parse_with_a_set_field_scripted(scripted_client, scripted):
+    """A `set[int]` field: its schema's uniqueItems is accepted (the grammar holds the list's shape)."""
+    assert Picks.model_json_schema()["properties"]["ids"]["uniqueItems"] is True
+    scripted.reply = lambda prompt, params: '{"ids": [3, 1, 2]}'
+    completion = await scripted_client.chat.completions.parse(
+        model=MODEL_NAME, messages=ask("Pick three numbers."), response_format=Picks, max_tokens=MAX_TOKENS)
+    assert completion.choices[0].message.parsed == Picks(ids={1, 2, 3})
+    assert scripted.added[0][1].structured_outputs.json["properties"]["ids"]["uniqueItems"] is True
 
 
 @pytest.mark.parametrize("body, expected", [
