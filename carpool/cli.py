@@ -101,6 +101,24 @@ def cmd_serve(args) -> int:
     return run_server(apply_vllm_engine_flags(args, engine_config(args)), ServerOptions.from_args(args))
 
 
+def cmd_export_tokenizer(args) -> int:
+    """The model's tokenizer (a GGUF's rebuilt from its metadata) as a Hugging Face folder."""
+    from carpool.config import default_model_path
+    from carpool.model.loader import load_model_config, resolve_model_path
+    from carpool.tokenizer import load_tokenizer
+    from carpool.tokenizer_export import save_tokenizer
+
+    if len(args.paths) > 2:
+        raise ValueError("export-tokenizer takes [MODEL] FOLDER")
+    *model, folder = args.paths
+    model = resolve_model_path(model[0] if model else (args.model or default_model_path()))
+    context = load_model_config(model).max_position_embeddings
+    save_tokenizer(load_tokenizer(model), folder, model_max_length=context)
+    print(f"carpool: wrote {model!r}'s tokenizer to {folder} (load it with AutoTokenizer.from_pretrained)",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_bench_pipeline(args) -> int:
     from carpool.bench.pipeline import run_pipeline_bench
 
@@ -253,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_vllm_engine_flags(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export-tokenizer", help="write the model's tokenizer (a GGUF's too) as a Hugging Face "
+                                                "folder that transformers' AutoTokenizer loads")
+    p.add_argument("paths", nargs="+", metavar="[MODEL] FOLDER",
+                   help="the model (default: --model, else the embedded one), then the folder to write")
+    p.add_argument("--model", default=None, help="the model, as with other commands")
+    p.set_defaults(func=cmd_export_tokenizer)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)

@@ -40,3 +40,22 @@ def test_bad_flag_values_give_clear_errors():
     assert r.returncode == 2 and "dtype" in r.stderr
     r = run_cli("generate", "hi", "--scheduler", "magic")
     assert r.returncode == 2 and "magic" in r.stderr
+
+
+def test_export_tokenizer_writes_a_folder_transformers_loads(tmp_path):
+    """The GGUF's tokenizer, written out, encodes and applies the chat template as carpool's own."""
+    from transformers import AutoTokenizer
+
+    from carpool.config import default_model_path
+    from carpool.tokenizer import load_tokenizer
+
+    r = run_cli("export-tokenizer", default_model_path(), str(tmp_path / "tok"))
+    assert r.returncode == 0, r.stderr
+    exported, ours = AutoTokenizer.from_pretrained(str(tmp_path / "tok")), load_tokenizer(default_model_path())
+    for text in ("Hello wörld 12345", "<|im_start|>user\nÉclair? 🍰<|im_end|>", "  spaces\tand\nlines  "):
+        assert exported.encode(text) == ours.encode(text), text
+        assert exported.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    chat = [{"role": "user", "content": "Hi"}]
+    assert exported.apply_chat_template(chat, tokenize=False) == ours.apply_chat_template(chat, tokenize=False)
+    assert exported.model_max_length == 8192  # the model's context
+    assert run_cli("export-tokenizer", "a", "b", "c").returncode == 2

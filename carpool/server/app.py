@@ -40,6 +40,7 @@ from carpool.server.protocol import (
     error_body,
     parse_request,
 )
+from carpool.tokenizer_export import tokenizer_config
 from carpool.server.serving import RETRY_AFTER_SECONDS, ClientDisconnected, ServingContext
 
 log = logging.getLogger("carpool.server")
@@ -103,7 +104,7 @@ class OverloadGuard:
 class ApiKeyMiddleware:
     """Pure ASGI (streams and disconnects pass straight through): Bearer key on API routes."""
 
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -330,6 +331,18 @@ def create_app(client: EngineClient, options: ServerOptions | None = None) -> Fa
     @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest), responses=_errors(400, *key, 404, 413, 415, 500))
     async def detokenize(raw: Request):
         return await ctx.off_loop(_detokenize, await raw.body())
+
+    if options.enable_tokenizer_info_endpoint:  # off by default: it shows the chat template
+        tokenizer_info_cache: list[dict] = []
+
+        @app.get("/tokenizer_info", responses=_errors(*key))
+        async def tokenizer_info():
+            """The tokenizer's tokenizer_config.json (as `carpool export-tokenizer` writes it),
+            with its class, the chat template and the context served, as vLLM answers it."""
+            if not tokenizer_info_cache:
+                tokenizer_info_cache.append(await asyncio.to_thread(
+                    tokenizer_config, ctx.tokenizer, ctx.max_model_len, ctx.chat_template))
+            return tokenizer_info_cache[0]
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         **_errors(503, descriptions=NOT_RUNNING_503), 200: {"description": "the Prometheus exposition"}})

@@ -254,3 +254,18 @@ def test_vllm_server_flags_parse(caplog):
     assert sum("--kv-cache-dtype fp8" in m for m in caplog.messages) == 1
     _, defaults = parse()
     assert (defaults.root_path, defaults.response_role, defaults.max_logprobs) == ("", "assistant", 20)
+
+
+async def test_tokenizer_info(make_http, tokenizer):
+    """vLLM's GET /tokenizer_info (behind --enable-tokenizer-info-endpoint): the tokenizer_config.json
+    that `carpool export-tokenizer` writes, with the class, chat template and context served."""
+    async with make_http() as s:
+        assert (await s.get("/tokenizer_info")).status_code == 404
+    async with make_http(enable_tokenizer_info_endpoint=True, api_key="k") as s:
+        assert (await s.get("/tokenizer_info")).status_code == 401
+        r = await s.get("/tokenizer_info", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200, r.text
+        info = r.json()
+        assert info["tokenizer_class"] and info["model_max_length"] == s.ctx.max_model_len
+        assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+        assert (await s.get("/tokenizer_info", headers={"Authorization": "Bearer k"})).json() == info
