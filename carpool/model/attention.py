@@ -18,7 +18,9 @@ every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached pr
 Gemma's layers need what neither the C kernel nor SDPA's causal flag gives: a sliding window
 (a query sees only its last `window` keys) and tanh soft-capped logits (Gemma 2).
 `masked_paged_attention` does both with torch ops over gathered blocks, every sequence under an
-explicit mask; its masks are built once per step (per window) and shared by every layer.
+explicit mask; its masks are built once per step (per window) and shared by every layer. A
+sliding layer gathers only the blocks its window reaches, so its cost stays that of the window
+however long the context.
 """
 
 from __future__ import annotations
@@ -90,10 +92,13 @@ class AttentionMetadata:
 
 @dataclass
 class StepMasks:
-    """A step's attention masks, True where a query may look: each decode over its gathered blocks,
-    each prefill chunk over its gathered blocks (or over itself, with nothing cached)."""
+    """The blocks a step's queries read under one window and their masks, True where a query may
+    look: decodes over their tables' blocks from the first their window reaches, prefill chunks
+    likewise (or over themselves, with nothing cached)."""
 
-    decodes: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_tables: torch.Tensor | None  # [num_decodes, blocks]
+    decodes: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size]
+    chunk_tables: list[torch.Tensor | None]  # per prefill chunk; None: the chunk alone
     chunks: list[torch.Tensor]  # [chunk, keys] per prefill chunk
 
 
@@ -140,17 +145,35 @@ def slide(mask: torch.Tensor, window: int | None) -> torch.Tensor:
 
 def step_masks(meta: AttentionMetadata, window: int | None) -> StepMasks:
     if window not in meta.masks:
-        decodes = None
+        bs, device = meta.block_size, meta.slot_mapping.device
+        tables = decodes = None
         if meta.num_decodes:
-            keys = torch.arange(meta.decode_block_tables.shape[1] * meta.block_size, device=meta.slot_mapping.device)
-            decodes = slide(keys[None, :] < meta.decode_context_lens[:, None], window)[:, None, None, :]
-        chunks = []
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            first = torch.zeros_like(lens)  # each decode's first block read
+            if window is not None:  # a window of w keys spans at most ceil(w / bs) + 1 blocks
+                first = (lens - window).clamp(min=0) // bs
+                width = min(tables.shape[1], -(-window // bs) + 1)
+                # Columns past a row's table repeat its last block (its own or the zeroed pad
+                # block): finite, and past the row's length, so masked.
+                cols = (first[:, None] + torch.arange(width, device=device)).clamp(max=tables.shape[1] - 1)
+                tables = tables.gather(1, cols)
+            keys = first[:, None] * bs + torch.arange(tables.shape[1] * bs, device=device)  # key positions
+            decodes = keys < lens[:, None]
+            if window is not None:
+                decodes &= keys >= lens[:, None] - window
+            decodes = decodes[:, None, None, :]
+        chunk_tables, chunks = [], []
         for p in meta.prefills:
-            n = p.end - p.start
-            causal = (torch.ones(n, n, dtype=torch.bool, device=meta.slot_mapping.device).tril()
-                      if p.mask is None else p.mask)
-            chunks.append(slide(causal, window))
-        meta.masks[window] = StepMasks(decodes, chunks)
+            if p.mask is None:
+                n = p.end - p.start
+                chunk_tables.append(None)
+                chunks.append(slide(torch.ones(n, n, dtype=torch.bool, device=device).tril(), window))
+                continue
+            mask = slide(p.mask, window)
+            first = 0 if window is None else max(0, int(p.mask[0].sum()) - window) // bs  # the chunk's first query
+            chunk_tables.append(p.block_table[first:])
+            chunks.append(mask[:, first * bs:])
+        meta.masks[window] = StepMasks(tables, decodes, chunk_tables, chunks)
     return meta.masks[window]
 
 
@@ -178,14 +201,14 @@ def masked_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     out = torch.empty_like(q)
     nd, bs = meta.num_decodes, meta.block_size
     if nd:
-        ks = gather_blocks(cache[0], meta.decode_block_tables, bs).transpose(1, 2)  # [B, kv_heads, ctx, D]
-        vs = gather_blocks(cache[1], meta.decode_block_tables, bs).transpose(1, 2)
+        ks = gather_blocks(cache[0], masks.decode_tables, bs).transpose(1, 2)  # [B, kv_heads, ctx, D]
+        vs = gather_blocks(cache[1], masks.decode_tables, bs).transpose(1, 2)
         out[:nd] = masked_attention(q[:nd, :, None], ks, vs, masks.decodes, scale, softcap)[:, :, 0]
-    for p, mask in zip(meta.prefills, masks.chunks):
-        if p.block_table is None:  # nothing cached: the chunk over itself
+    for p, table, mask in zip(meta.prefills, masks.chunk_tables, masks.chunks):
+        if table is None:  # nothing cached: the chunk over itself
             ks, vs = k[p.start:p.end], v[p.start:p.end]
         else:
-            ks, vs = gather_blocks(cache[0], p.block_table, bs), gather_blocks(cache[1], p.block_table, bs)
+            ks, vs = gather_blocks(cache[0], table, bs), gather_blocks(cache[1], table, bs)
         o = masked_attention(q[p.start:p.end].transpose(0, 1)[None], ks.transpose(0, 1)[None],
                              vs.transpose(0, 1)[None], mask[None, None], scale, softcap)
         out[p.start:p.end] = o[0].transpose(0, 1)

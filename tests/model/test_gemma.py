@@ -73,7 +73,7 @@ def naive_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: 
 def test_masked_paged_attention_against_a_naive_window(softcap):
     """One step of two decodes (the C kernel's metadata: no decode mask), a chunk with nothing
     cached and a chunk over a cached prefix, with 4-token blocks and a window of 5: every query
-    sees its last 5 keys only, soft-capped or not."""
+    sees its last 5 keys only, soft-capped or not, from the blocks its window reaches."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, block, window, num_blocks = 4, 2, 8, 4, 5, 16
     # (tokens cached before the step, tokens in the step); decodes first, as the runner lays them out
@@ -111,6 +111,8 @@ def test_masked_paged_attention_against_a_naive_window(softcap):
             torch.testing.assert_close(got[row].double(), expected, rtol=1e-5, atol=1e-5)
             row += 1
     assert set(meta.masks) == {window}  # built once for the step, then shared by its layers
+    # a window of 5 reaches at most 3 blocks of 4 back: the 13-token decode reads 3 of its 4
+    assert meta.masks[window].decode_tables.shape[1] == 3 and len(meta.masks[window].chunk_tables[1]) == 3
 
 @pytest.mark.parametrize("family, source", [
     ("gemma2", "gguf"), ("gemma3", "hf"),
