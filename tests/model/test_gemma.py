@@ -55,7 +55,6 @@ def assert_norms_hold_one_plus_w(engine: LLMEngine, ref: torch.nn.Module) -> Non
     torch.testing.assert_close(engine.model.norm.weight, 1 + ref.model.norm.weight, rtol=0, atol=1e-6)
 
 
-
 def naive_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, window: int,
                    softcap: float | None, scale: float) -> torch.Tensor:
     """One query at `position` over keys max(0, position - window + 1)..position, in fp64."""
