@@ -23,7 +23,6 @@ from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
 from carpool.model.paths import Path, choose_path
-from carpool.model.quant import choose_kernels
 
 log = logging.getLogger("carpool")
 
@@ -65,7 +64,6 @@ class ModelRunner:
         self.last_forward_seconds = 0.0
         if can_pack_linears(device, dtype):
             pack_linears_for_cpu(model)
-        choose_kernels(model)  # quantized linears: up to which token count their kernel wins
         self.block_size = block_size
         self.device = device
         self.decode_kernel = has_decode_kernel(device, dtype)  # else SDPA over gathered blocks

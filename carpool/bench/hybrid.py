@@ -49,11 +49,9 @@ def measure_machine(repeats: int = 5, size: int = 2048) -> Machine:
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads, as stored: a quantized linear's packed weights and
-    scales (its dense copy serves only large batches; the C kernel's are attributes), a
-    oneDNN-packed weight, every other tensor once (tied ones once), but not the embedding table
-    (one row per token)."""
-    skip = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear)}
-    skip |= {id(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "embed_tokens"}
+    scales (the C kernels' are attributes), a oneDNN-packed weight, every other tensor once (tied
+    ones once), but not the embedding table (one row per token)."""
+    skip = {id(m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "embed_tokens"}
     seen: set[int] = set()
     total = 0
     for m in model.modules():
@@ -61,8 +59,8 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
             continue
         if isinstance(m, PackedLinear):  # the packed weight is an attribute, not a parameter
             total += m.packed.numel() * m.packed.element_size()
-        if isinstance(m, QuantizedLinear) and m.kernel is not None:
-            total += sum(t.numel() * t.element_size() for t in m.kernel.tensors if t is not None)
+        if isinstance(m, QuantizedLinear) and (m.kernel is not None or m.kq is not None):
+            total += sum(t.numel() * t.element_size() for t in m.weight_tensors())
         for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

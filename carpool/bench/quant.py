@@ -1,13 +1,16 @@
-"""`carpool bench quant`: weight-only int8 / int4 kernels against oneDNN bf16 on this CPU.
+"""`carpool bench quant`: weight-only quantized kernels against oneDNN bf16 on this CPU.
 
 For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head) and token count,
-times carpool's C kernels (AVX-512 VNNI and AMX, csrc/quant_gemv.c) and torch's `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` against bf16 `F.linear` and the oneDNN-packed `PackedLinear` the
-engine uses. Each shape has one weight per layer, called in
+times carpool's quantized layers as the engine calls them (int4 / int8: csrc/quant_gemv.c at decode
+sizes; GGUF Q4_K / Q6_K: csrc/kquant.c; all three from their own codes at every size, the bf16
+tile kernel from quant.TILE_FROM tokens), torch's `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, against bf16 `F.linear` and the oneDNN-packed `PackedLinear` the
+engine uses for unquantized models. Each shape has one weight per layer, called in
 turn, so weights come from memory as in a forward pass rather than from a hot cache; kernels are
 interleaved and the best of a few rounds is kept, so ratios hold on a busy host. Then one greedy
 stream decodes per `--quantization` mode through the whole engine (the engines take turns, best
-of the same rounds), with the per-shape crossovers each engine measured for itself (model/quant.py).
+of the same rounds). The summary states, per quantized kernel, prefill speed at 256 tokens as a
+ratio to the packed bf16 GEMM, and a 16-token step's tokens/s as a ratio to a 1-token step's.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from torch import nn
 from carpool.bench.hostload import OtherCpu
 from carpool.bench.hybrid import carpool_single_stream
 from carpool.config import EngineConfig, ModelConfig
-from carpool.model import cpu_kernels
+from carpool.model import cpu_kernels, gguf_codes, gguf_encode
 from carpool.model.llama import PackedLinear, can_pack_linears
 from carpool.model.quant import QuantizedLinear
 
-# "C": the kernel the engine calls (VNNI, or AMX from AMX_FROM_TOKENS up where the CPU has it);
-# "VNNI" / "AMX": one of the two at every token count (same outputs), to show the crossover.
-KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C", "int4 C VNNI",
-           "int4 C AMX")
+# "C": the layer as the engine calls it; "VNNI" / "AMX": quant_gemv.c's integer kernel on one of
+# the two at every token count (same outputs).
+KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C", "Q4_K C", "Q6_K C",
+           "int4 C VNNI", "int4 C AMX")
 QUANTIZED = KERNELS[2:]
 
 
@@ -54,10 +57,15 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
             kernels[f"{mode} torch"].append(QuantizedLinear(linear, mode, dtype, c_kernel=False).to(dtype).quantized)
             with_c = QuantizedLinear(linear, mode, dtype).to(dtype)
             if with_c.kernel is not None:
-                kernels[f"{mode} C"].append(with_c.quantized)
+                kernels[f"{mode} C"].append(with_c)
             if with_c.kernel is not None and mode == "int4" and cpu_kernels.has_amx():
                 kernels["int4 C VNNI"].append(functools.partial(with_c.kernel, amx_from=0))
                 kernels["int4 C AMX"].append(functools.partial(with_c.kernel, amx_from=1))
+        if dtype == torch.bfloat16 and cpu_kernels.has_kq_matmul() and in_features % 256 == 0:
+            for qtype in ("Q4_K", "Q6_K"):
+                codes = gguf_codes.decode(gguf_encode.quantize(linear.weight.numpy(), qtype), qtype,
+                                          (out_features, in_features))
+                kernels[f"{qtype} C"].append(QuantizedLinear.from_codes(codes, None, dtype))
         dense = linear.to(dtype).requires_grad_(False)
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):
@@ -112,14 +120,9 @@ def decode_per_mode(config: EngineConfig, modes: list[str], new_tokens: int, rou
             if mode not in best or result["decode_tokens_per_s"] > best[mode]["decode_tokens_per_s"]:
                 best[mode] = result
     for mode, engine in engines.items():
-        model = engine.runner.model
-        best[mode]["mode_in_use"] = model.quantization
-        best[mode]["quantized_up_to_tokens"] = {
-            f"{name} {m.mode} {m.in_features}x{m.out_features}": m.max_quantized_tokens
-            for name, m in model.named_modules() if isinstance(m, QuantizedLinear)
-            and (name.startswith("layers.0.") or name == "lm_head")}
-        print(f"--quantization {mode}: {best[mode]['decode_tokens_per_s']:.1f} decode tokens/s; "
-              f"quantized kernel up to N tokens: {best[mode]['quantized_up_to_tokens']}")
+        best[mode]["mode_in_use"] = engine.runner.model.quantization
+        print(f"--quantization {mode} ({best[mode]['mode_in_use']}): "
+              f"{best[mode]['decode_tokens_per_s']:.1f} decode tokens/s")
         engine.shutdown()
     return best
 
@@ -148,9 +151,31 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
     decode = decode_per_mode(config, args.modes, args.new_tokens, args.rounds) if args.new_tokens else {}
     result = {"model": config.model, "dtype": str(dtype), "threads": torch.get_num_threads(),
               "cpu": cpu_name(), "other_cpu_cores": cpu.sample(), "seconds": time.perf_counter() - start,
-              "kernels": rows, "single_stream": decode}
+              "kernels": rows, "targets": targets(rows), "single_stream": decode}
     write_outputs(result, Path(args.output))
     return result
+
+
+def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per quantized kernel, summed over the model's shapes: prefill at 256 tokens as a speed
+    ratio to the packed bf16 GEMM (>= 0.8 wanted: one copy of the weights costs prefill little),
+    and a 16-token step's tokens/s over a 1-token step's (>= 4 wanted: batching pays)."""
+    def total(kernel: str, tokens: int) -> float | None:
+        times = [r.get(f"{kernel}_s") for r in rows if r["tokens"] == tokens]
+        return sum(times) if times and None not in times else None
+
+    ref = "bf16 packed" if any("bf16 packed_s" in r for r in rows) else "bf16 F.linear"
+    out = {}
+    for kernel in QUANTIZED:
+        prefill, dense, one, sixteen = total(kernel, 256), total(ref, 256), total(kernel, 1), total(kernel, 16)
+        entry = {}
+        if prefill and dense:
+            entry["prefill_256_vs_bf16"] = dense / prefill
+        if one and sixteen:
+            entry["batch16_vs_batch1_tokens_per_s"] = 16 * one / sixteen
+        if entry:
+            out[kernel] = entry
+    return out
 
 
 def cpu_name() -> str:
@@ -177,13 +202,16 @@ def write_outputs(result: dict, out: Path) -> None:
         lines.append(f"| {r['shape']} | {r['in']}x{r['out']} | {r['tokens']} | "
                      + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels) + " | "
                      + " / ".join(f"{r[f'{ref}_s'] / r[f'{k}_s']:.2f}x" for k in kernels if k in QUANTIZED) + " |")
-    if result["single_stream"]:
-        lines += ["", "| --quantization | decode tokens/s | quantized kernel up to N tokens (layer 0, LM head) |",
+    if result["targets"]:
+        lines += ["", "| kernel (all shapes) | prefill 256 tokens, speed vs bf16 | 16-token step vs 1-token, tokens/s |",
                   "|---|---|---|"]
+        for kernel, t in result["targets"].items():
+            lines.append(f"| {kernel} | {t.get('prefill_256_vs_bf16', float('nan')):.2f}x | "
+                         f"{t.get('batch16_vs_batch1_tokens_per_s', float('nan')):.2f}x |")
+    if result["single_stream"]:
+        lines += ["", "| --quantization | decode tokens/s |", "|---|---|"]
         for mode, s in result["single_stream"].items():
-            chosen = ", ".join(f"{k.split(' ', 1)[0].removeprefix('layers.0.')}: {v}"
-                               for k, v in s["quantized_up_to_tokens"].items()) or "-"
-            lines.append(f"| {mode} ({s['mode_in_use']}) | {s['decode_tokens_per_s']:.1f} | {chosen} |")
+            lines.append(f"| {mode} ({s['mode_in_use']}) | {s['decode_tokens_per_s']:.1f} |")
     (out / "quant.md").write_text("\n".join(lines) + "\n")
     plot(result, kernels, out / "quant.png")
     print("\n".join(lines))

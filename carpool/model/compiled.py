@@ -28,7 +28,6 @@ from torch import nn
 from carpool.model.attention import AttendFn, AttentionMetadata
 from carpool.model.llama import DecoderLayer, LlamaModel
 from carpool.model.paths import COMPILE_MIN_TOKENS
-from carpool.model.quant import EVERY_SIZE, QuantizedLinear
 
 
 def can_compile(model: LlamaModel) -> bool:
@@ -71,9 +70,6 @@ class CompiledLayers:
 
 
 def warm_up_sizes(model: nn.Module, min_tokens: int = COMPILE_MIN_TOKENS) -> list[int]:
-    """Token counts that reach every compiled graph: Inductor specializes a graph on each
-    quantized kernel's crossover (model/quant.py), so one size past each one at or above
-    `min_tokens`, and `min_tokens` itself."""
-    crossovers = {m.max_quantized_tokens for m in model.modules()
-                  if isinstance(m, QuantizedLinear) and m.max_quantized_tokens != EVERY_SIZE}
-    return sorted({min_tokens} | {c + 1 for c in crossovers if c + 1 > min_tokens})
+    """Token counts that reach every compiled graph. Quantized layers switch kernels at
+    quant.TILE_FROM tokens, below the smallest compiled step, so one size does."""
+    return [min_tokens]

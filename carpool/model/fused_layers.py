@@ -46,7 +46,7 @@ class DecoderShape(ctypes.Structure):
 
 def _weight(linear: QuantizedLinear) -> QuantizedWeight:
     codes, scale, low = linear.kernel.tensors
-    bias = linear.dense.bias if linear.has_bias else None
+    bias = linear.bias
     return QuantizedWeight(codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr(),
                            None if bias is None else bias.data_ptr())
 

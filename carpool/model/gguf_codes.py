@@ -54,6 +54,10 @@ class QuantCodes:
     def k(self) -> int:
         return self.q.shape[1]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
     def rows(self, index) -> QuantCodes:
         """The codes of the rows `index` (a slice, or indices in any order: a tensor-parallel
         shard of the output rows, or llama.cpp's Q/K row permutation undone)."""

@@ -8,6 +8,7 @@ Both sources are turned into one stream of (Hugging Face parameter name, tensor)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -17,8 +18,12 @@ import numpy as np
 import torch
 
 from carpool.config import ModelConfig
-from carpool.model.llama import LlamaModel, TensorParallel, rope_inv_freq
-from carpool.model.quant import check_quantization, quantize_linears
+from carpool.model import cpu_kernels, gguf_codes
+from carpool.model.llama import LlamaModel, TensorParallel
+from carpool.model.gguf_codes import QuantCodes
+from carpool.model.quant import CodesAssembly, check_quantization, quantize_linears
+
+log = logging.getLogger("carpool")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
@@ -253,9 +258,11 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs; tensors `wanted` rejects are never dequantized."""
+def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | None = None,
+                 keep_codes: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantCodes]]:
+    """(HF name, tensor) pairs; tensors `wanted` rejects are never read. keep_codes: a matrix of a
+    type csrc/kquant.c multiplies comes as its codes (gguf_codes.QuantCodes), read from the
+    mapped file with no float copy."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -274,17 +281,23 @@ def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | No
                 continue  # e.g. rope_freqs: recomputed from the metadata
         if wanted is not None and not wanted(name):
             continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp's NeoX-RoPE models keep HF's order
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(parts[2]) if parts[0] == "blk" else None
+        if keep_codes and len(shape) == 2 and t.tensor_type in gguf_codes.SUPPORTED:
+            codes = gguf_codes.decode(t.data, t.tensor_type, shape)
+            if permuted and heads:
+                codes = codes.rows(unpermute_qk(np.arange(shape[0]), heads))
+            yield name, codes
+            continue
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name} has unsupported type "
                              f"{GGMLQuantizationType(t.tensor_type).name}") from e
-        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp's NeoX-RoPE models keep HF's order
-        if permuted and parts[0] == "blk" and parts[2] == "attn_q":
-            w = unpermute_qk(w, config.num_heads)
-        elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
-            w = unpermute_qk(w, config.num_kv_heads)
+        w = np.array(w, dtype=np.float32).reshape(shape)
+        if permuted and heads:
+            w = unpermute_qk(w, heads)
         yield name, torch.from_numpy(w)
 
 
@@ -294,7 +307,15 @@ def open_gguf(path: str):
     """Parsing GGUF metadata takes seconds; open it once and share the reader."""
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {e}") from e
+    for t in reader.tensors:  # a truncated file maps fewer bytes than its tensors claim
+        if t.data.nbytes < t.n_bytes:
+            raise ValueError(f"{path} is truncated: tensor {t.name} needs {t.n_bytes} bytes, "
+                             f"{t.data.nbytes} are in the file")
+    return reader
 
 
 def load_model_config(path: str, gguf_reader=None) -> ModelConfig:
@@ -308,43 +329,60 @@ def _unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
     """Phi-3 keeps q/k/v and gate/up in one tensor each (in GGUF, gate/up as a double-height
     ffn_up); yield them as Llama's separate ones."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def split(w, sizes: list[int]) -> list:
+        if not isinstance(w, QuantCodes):
+            return w.split(sizes)
+        ends = np.cumsum([0, *sizes])
+        return [w.rows(slice(a, b)) for a, b in zip(ends[:-1], ends[1:])]
+
     for name, w in weights:
         if ".self_attn.qkv_proj." in name:
             pre, kind = name.split(".qkv_proj.")
-            for part, t in zip("qkv", w.split([q, kv, kv])):
+            for part, t in zip("qkv", split(w, [q, kv, kv])):
                 yield f"{pre}.{part}_proj.{kind}", t
         elif name.endswith(".mlp.gate_up_proj.weight") or (
                 name.endswith(".mlp.up_proj.weight") and w.shape[0] == 2 * cfg.intermediate_size):
             pre = name.rsplit(".", 2)[0] + "."
-            gate, up = w.chunk(2)
+            gate, up = split(w, [w.shape[0] // 2] * 2)
             yield pre + "gate_proj.weight", gate
             yield pre + "up_proj.weight", up
         else:
             yield name, w
 
 
-def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the fused, sharded parameters this model holds."""
+def load_weights(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor | QuantCodes]],
+                 codes_sink: CodesAssembly | None = None) -> None:
+    """Copy HF-named tensors into the fused, sharded parameters this model holds. GGUF codes go
+    to `codes_sink` where the target linear has no weight parameter (it keeps the file's codes),
+    else they are dequantized into it."""
     cfg, tp = model.config, model.tp
     params = dict(model.named_parameters())
     loaded: set[str] = set()
 
-    def shard(w: torch.Tensor, dim: int) -> torch.Tensor:
-        size = w.shape[dim] // tp.size
+    def shard(w: torch.Tensor | QuantCodes, dim: int) -> torch.Tensor | QuantCodes:
+        size = (w.n, w.k)[dim] // tp.size if isinstance(w, QuantCodes) else w.shape[dim] // tp.size
+        if isinstance(w, QuantCodes):
+            return w.rows(slice(tp.rank * size, (tp.rank + 1) * size)) if dim == 0 else \
+                w.columns(tp.rank * size, (tp.rank + 1) * size)
         return w.narrow(dim, tp.rank * size, size)
 
-    def put(target: str, w: torch.Tensor, offset: int = 0) -> None:
+    def put(target: str, w: torch.Tensor | QuantCodes, offset: int = 0) -> None:
+        loaded.add(f"{target}@{offset}")
+        if isinstance(w, QuantCodes):
+            if target not in params:  # a layer that keeps the file's codes
+                return codes_sink.add(target, offset, w)
+            w = torch.from_numpy(gguf_codes.dequantize(w))
         p = params[target]
         p.data.narrow(0, offset, w.shape[0]).copy_(w)
-        loaded.add(f"{target}@{offset}")
 
-    def put_vocab(target: str, w: torch.Tensor) -> None:
+    def put_vocab(target: str, w: torch.Tensor | QuantCodes) -> None:
         """This rank's vocabulary rows; rows past the vocabulary (padding of the last slice) are 0."""
         if tp.size == 1:
             return put(target, w)
         start, rows = tp.vocab_range(cfg.vocab_size)
         params[target].data.zero_()
-        put(target, w[start:start + rows])
+        put(target, w.rows(slice(start, start + rows)) if isinstance(w, QuantCodes) else w[start:start + rows])
 
     norms = {"input_layernorm", "post_attention_layernorm"}
     if cfg.sandwich_norms:
@@ -422,28 +460,63 @@ def stage_wants(model: LlamaModel) -> Callable[[str], bool]:
     return wanted
 
 
-# The mode that keeps a GGUF's layer weights at their own precision: Q4_1 codes survive int4's
-# requantization exactly (same 32-wide groups, min/max scale); Q4_0 nearly (a block's min need not
-# sit on its grid's end); Q8_0 loses little to int8 per channel.
+# The mode that keeps a GGUF's layer weights at their own precision. Q4_1 codes survive int4's
+# requantization exactly (same 32-wide groups, min/max scale), Q4_0 nearly (a block's min need not
+# sit on its grid's end), Q8_0 loses little to int8: those run on csrc/quant_gemv.c (and the fused
+# layers). Every other type kquant.c multiplies keeps its own codes ('gguf').
 _GGUF_QUANTIZATION = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+
+
+def _layer_matrices(reader) -> list:
+    return [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
 
 
 def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype, gguf_reader=None) -> str:
-    """'auto' -> int4 / int8 for a GGUF whose layer weights are all Q4_0/Q4_1 / (some) Q8_0, run
-    on CPU in a 16-bit dtype (faster at decode and, for Q4_x, closer to the checkpoint than bf16;
-    see BENCHMARKS.md); 'none' for other checkpoints, other devices, and float32, which stays the
-    reference arithmetic. Other modes pass through."""
+    """'auto' -> for a GGUF run on CPU in bf16 / fp16: int4 / int8 when its layer weights are
+    all Q4_0/Q4_1 / (some) Q8_0; 'gguf' when they are types csrc/kquant.c multiplies (K-quants,
+    Q5_x) and the CPU runs it; else 'none', with one warning line naming a quantized type that
+    is widened to the dtype. Float checkpoints, other devices and float32 (the reference
+    arithmetic): 'none'. Other modes pass through; 'gguf' is checked here."""
+    from gguf import GGMLQuantizationType
+
+    if mode == "gguf":
+        if gguf_reader is None:
+            raise ValueError("--quantization gguf keeps a GGUF file's own codes; the model is not a .gguf file")
+        for t in _layer_matrices(gguf_reader):
+            if t.tensor_type not in gguf_codes.SUPPORTED:
+                raise ValueError(f"--quantization gguf: tensor {t.name} has type "
+                                 f"{GGMLQuantizationType(t.tensor_type).name}, which carpool's kernels do not "
+                                 f"multiply; supported: {', '.join(sorted(q.name for q in gguf_codes.SUPPORTED))}")
+        if dtype != torch.bfloat16 or not cpu_kernels.has_kq_matmul():
+            raise ValueError("--quantization gguf runs csrc/kquant.c: bfloat16 on a CPU with AVX-512 VNNI")
     if mode != "auto":
         return mode
     if gguf_reader is None or device.type != "cpu" or dtype == torch.float32:
         return "none"
-    from gguf import GGMLQuantizationType
-
-    modes = {_GGUF_QUANTIZATION.get(GGMLQuantizationType(t.tensor_type).name)
-             for t in gguf_reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
-    if not modes or None in modes:
+    types = {GGMLQuantizationType(t.tensor_type).name: t.name for t in _layer_matrices(gguf_reader)}
+    legacy = {_GGUF_QUANTIZATION.get(name) for name in types}
+    if types and None not in legacy:
+        return "int8" if "int8" in legacy else "int4"
+    quantized = {name: tensor for name, tensor in types.items() if name not in _FLOAT_TYPES}
+    if not quantized:
         return "none"
-    return "int8" if "int8" in modes else "int4"
+    unsupported = [name for name in quantized if GGMLQuantizationType[name] not in gguf_codes.SUPPORTED]
+    if not unsupported and dtype == torch.bfloat16 and cpu_kernels.has_kq_matmul():
+        return "gguf"
+    why = (f"tensor {quantized[unsupported[0]]} has type {unsupported[0]}, which carpool's kernels do not multiply"
+           if unsupported else "csrc/kquant.c runs in bfloat16 on CPUs with AVX-512 VNNI")
+    log.warning("GGUF weights widened to %s (%s): expect more memory and slower decode", dtype, why)
+    return "none"
+
+
+def _quantized_lm_head(reader, model: LlamaModel) -> bool:
+    """Whether the LM head keeps the file's codes: its tensor (or the tied embedding) is of a type
+    kquant.c multiplies, and the vocabulary is not split across tensor-parallel ranks."""
+    if not model.is_last or model.tp.size > 1:
+        return False
+    name = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
+    return any(t.name == name and t.tensor_type in gguf_codes.SUPPORTED for t in reader.tensors)
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
@@ -462,11 +535,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     with torch.device("meta"):
         model = LlamaModel(config, first_layer, last_layer, tp)
     wanted = None if model.is_first and model.is_last else stage_wants(model)
-    weights = gguf_weights(reader, config, wanted) if is_gguf(path) else hf_weights(Path(path), wanted)
-    model.to_empty(device="cpu")
-    load_weights(model, weights)
+    keep_codes = quantization == "gguf"
+    weights = gguf_weights(reader, config, wanted, keep_codes) if is_gguf(path) else hf_weights(Path(path), wanted)
+    sink = CodesAssembly(model, dtype, quantized_lm_head=_quantized_lm_head(reader, model)) if keep_codes else None
+    if quantization in ("none", "gguf"):  # loaded straight into the dtype it runs in: no float copy
+        model.to(dtype=dtype)  # (int4 / int8 quantize from the float weights, so they load in fp32)
+    model.to_empty(device="cpu")  # the linears that keep codes have no weight to allocate
+    load_weights(model, weights, sink)
+    if sink is not None:
+        sink.check_complete()
     quantize_linears(model, quantization, dtype)
     model.quantization = quantization
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.inv_freq = rope_inv_freq(config).to(device)  # RoPE frequencies stay fp32
     return model

@@ -1,44 +1,39 @@
-"""Weight-only quantized linear layers on CPU (`--quantization int8|int4`).
+"""Weight-only quantized linear layers on CPU: a GGUF's own types (`--quantization gguf`) and
+carpool's int4 / int8 (`--quantization int4|int8`).
 
-In bf16 on a CPU with AVX-512 VNNI or AVX2, carpool's C kernels run them (csrc/quant_gemv.c:
-activations quantized to int8 per group of 32, integer dot products; 1.4-1.9x faster than
-torch's kernels at one token, BENCHMARKS.md) in GGUF's own forms, with fp16 scales per group of
-32 input channels: int8 as Q8_0 (w = code * scale), int4 as Q4_1 (w = code * scale + min).
-Requantizing a Q8_0 / Q4_1 tensor gives back its codes, so a GGUF checkpoint runs as stored.
-Elsewhere (fp32, the reference arithmetic, included) torch's `_weight_int8pack_mm` (a scale
-per output channel) and `_weight_int4pack_mm_for_cpu` ((code - 8) * scale + zero per group of
-32, scales in the model dtype) run. Weights are quantized from the fp32 values the loader
-produced, after tensor-parallel sharding.
+Each layer holds one copy of its weights, quantized; no dense copy sits beside them.
+- GGUF Q4_0 .. Q6_K, Q8_0 tensors keep the file's codes and scales (model/gguf_codes.py decodes
+  them, csrc/kquant.c multiplies them).
+- int4 and int8 quantize a float checkpoint, after tensor-parallel sharding, into GGUF Q4_1's form
+  (w = code * scale + min per 32 input channels, fp16 scales) and Q8_0's (w = code * scale). A
+  Q4_1 / Q8_0 GGUF requantized this way gives back its own codes. csrc/quant_gemv.c runs them at
+  decode sizes (and the fused layers, model/fused_layers.py).
 
-The quantized kernels read 2-4x fewer weight bytes than bf16 but reuse nothing across rows:
-their time grows linearly with the token count while oneDNN's packed bf16 GEMM stays flat up to
-~16 rows (`carpool bench quant`, BENCHMARKS.md). So a QuantizedLinear holds both: the quantized
-weights for small token counts (decode) and a bf16 copy *of the dequantized weights* for larger
-ones (prefill chunks), one function whichever kernel runs. Dequantizing on the fly instead costs more
-than the bf16 GEMM itself (576x49152 LM head: ~48 ms to widen vs ~1 ms to multiply one row).
-The crossover is measured per weight shape when the runner is built (`choose_kernels`, ~0.2 s):
-it moves with the CPU (AMX makes bf16 strong; without it the quantized kernels win further, and
-on AVX2 alone, where torch emulates bf16 GEMMs, at every size).
-Being measured, it can differ between runs on a busy host; outputs then differ by rounding
-(`--quantization none` for bit-reproducible runs).
+Two kernels per layer, by token count. Up to TILE_FROM tokens (decode steps), the integer
+kernels: activations quantized to int8 per 32 channels, integer dot products, so a step reads
+each weight byte once and reads 2-4x fewer bytes than bf16. From TILE_FROM tokens (prefill chunks),
+kquant.c's tile kernel: each block of 16 rows is dequantized to bf16 once, in cache, and
+multiplied against all of the chunk's tokens. Without AVX512-BF16 the integer kernels run at
+every size.
+In fp32 (the reference arithmetic) and on CPUs without the C kernels, torch's
+`_weight_int8pack_mm` (a scale per output channel) and `_weight_int4pack_mm_for_cpu`
+((code - 8) * scale + zero per group of 32) run.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from torch import nn
 
-from carpool.model import cpu_kernels
+from carpool.model import cpu_kernels, gguf_codes
 
 log = logging.getLogger("carpool")
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 INT4_GROUP_SIZE = 32  # divides every K of the default model, also per TP shard (576 / 2 = 288)
 INT8_GROUP_SIZE = 32  # with the C kernel, as GGUF Q8_0
-DEFAULT_MAX_QUANTIZED_TOKENS = 4  # until choose_kernels measures it (this crossover on AMX)
 KERNEL_ROWS = 16  # output rows per block of the C kernels' weight layout
 _TINY = 1e-30  # scale of an all-equal row/group: its codes are arbitrary, the zero carries it
 
@@ -115,8 +110,25 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, _row_blocks(scales).transpose(1, 2).to(torch.float16).contiguous()
 
 
+# From this many tokens, the bf16 tile kernel (dequantize a block once, reuse it across the
+# chunk) runs instead of the integer kernel: at 16 tokens of an 8192x2048 weight, one thread,
+# the two took 3.00 and 3.17 ms (integer ahead), at 64 tokens 13.95 and 7.42 ms (2-core AMD EPYC
+# Zen 5, `carpool bench quant`). A constant, not a measurement at start: the outputs of a run
+# do not depend on how busy the host was while it started.
+TILE_FROM = 16
+
+
+def _tiles(tensors: cpu_kernels.KQTensors, n: int, k: int, bits: int, offset: int, m_sign: float
+           ) -> cpu_kernels.KQuantMatmul | None:
+    """The bf16 tile kernel over a weight's own packed tensors (no copy), where it runs."""
+    if not cpu_kernels.has_kq_tiles():
+        return None
+    return cpu_kernels.KQuantMatmul(tensors, n, k, bits, offset, 32, m_sign)
+
+
 class QuantizedLinear(nn.Module):
-    """A bias-optional linear layer with weight-only quantized weights (see the module doc)."""
+    """A bias-optional linear layer whose only weights are quantized (see the module doc): one
+    copy, whichever kernel runs."""
 
     def __init__(self, linear: nn.Linear, mode: str, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE,
                  c_kernel: bool = True):
@@ -128,44 +140,69 @@ class QuantizedLinear(nn.Module):
         n, k = w.shape
         self.mode, self.in_features, self.out_features = mode, k, n
         self.dtype = dtype  # the activations' (the model's: load_model casts it to this dtype)
-        self.max_quantized_tokens = DEFAULT_MAX_QUANTIZED_TOKENS
-        # The C kernels' packed weights where they run (a plain attribute: the model's .to(dtype)
+        # The C kernels' packed weights where they run (plain attributes: the model's .to(dtype)
         # must not cast their scales), else torch's kernels' buffers.
         self.kernel: cpu_kernels.QuantizedMatmul | None = None
+        self.tiles: cpu_kernels.KQuantMatmul | None = None  # prefill chunks, from the same tensors
+        self.kq: cpu_kernels.KQuantMatmul | None = None  # a GGUF's own codes (from_codes)
         use_kernel = c_kernel and dtype == torch.bfloat16 and k % 32 == 0 and cpu_kernels.has_quantized_matmul()
         if mode == "int8" and use_kernel:  # GGUF Q8_0's form: a Q8_0 tensor keeps its codes
             q, scales = quantize_int8(w, torch.float16, INT8_GROUP_SIZE)
-            self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int8(q, scales))
-            dense = (q.float().reshape(n, -1, INT8_GROUP_SIZE) * scales[..., None]).reshape(n, k)
+            codes, scale = pack_int8(q, scales)
+            self.kernel = cpu_kernels.QuantizedMatmul(n, codes, scale)
+            self.tiles = _tiles((codes.view(codes.shape[0], k // 32, 8, 16, 4), None, None, None, scale, None),
+                                n, k, 8, 128, 1.0)
         elif mode == "int8":  # torch's kernel takes one scale per output channel
             q, scales = quantize_int8(w, dtype)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales)  # cast to the model dtype with the model
-            dense = q.float() * scales[:, None]
         elif mode == "int4":
             if k % group_size:
                 raise ValueError(f"int4 quantization needs input sizes divisible by {group_size}; "
                                  f"a {n}x{k} weight has {k}")
             self.group_size = group_size
             if use_kernel and group_size == 32:
-                q, scale, low = quantize_q4_1(w)
-                self.kernel = cpu_kernels.QuantizedMatmul(n, *pack_int4(q, scale, low))
-                dense = (q.reshape(n, -1, 32) * scale[..., None] + low[..., None]).reshape(n, k)
+                codes, scale, low = pack_int4(*quantize_q4_1(w))
+                self.kernel = cpu_kernels.QuantizedMatmul(n, codes, scale, low)
+                self.tiles = _tiles((codes, None, None, None, scale, low), n, k, 4, 0, 1.0)
             else:
                 pad = -n % 16  # torch's packing wants N divisible by 16: zero rows, sliced off
                 q, scale_zeros = quantize_int4(torch.nn.functional.pad(w, (0, 0, 0, pad)), dtype, group_size)
                 self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
                 self.register_buffer("scale_zeros", scale_zeros)
-                dense = dequantize_int4(q, scale_zeros, group_size)[:n]
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
-        self.dense = nn.Linear(k, n, bias=linear.bias is not None)
-        self.dense.weight = nn.Parameter(dense, requires_grad=False)
-        self.dense.bias = linear.bias
-        self.has_bias = linear.bias is not None  # a plain bool: no submodule lookup per call
+        self.tile_from = TILE_FROM if self.tiles is not None else 0  # 0: the integer kernel at every size
+        self.bias = linear.bias
+
+    # tile_from: the token count from which the tile kernel runs (0: never; tests set it).
+
+    @classmethod
+    def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype
+                   ) -> QuantizedLinear:
+        """A layer that multiplies a GGUF tensor's own codes by csrc/kquant.c."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        p = gguf_codes.pack(codes)
+        self.mode, self.in_features, self.out_features, self.dtype = "gguf", p.k, p.n, dtype
+        self.kernel = self.tiles = None
+        tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
+        self.kq = cpu_kernels.KQuantMatmul(tensors, p.n, p.k, p.bits, p.offset, p.super_size)
+        self.tile_from = TILE_FROM if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() else 0
+        self.bias = bias
+        return self
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors a product reads (what the layer holds in memory, bias aside)."""
+        held = self.kq.tensors if self.kq is not None else self.kernel.tensors if self.kernel is not None else \
+            list(self.buffers(recurse=False))
+        return [t for t in held if t is not None]
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        """The integer kernel (decode steps)."""
+        if self.kq is not None:
+            y = self.kq(x, 0)
+        elif self.kernel is not None:
             y = self.kernel(x)
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
@@ -174,20 +211,59 @@ class QuantizedLinear(nn.Module):
                                                            self.scale_zeros)
             if y.shape[-1] != self.out_features:
                 y = y[:, :self.out_features]
-        return y + self.dense.bias if self.has_bias else y
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Compiled graphs hold the C kernel too (as the op carpool::quantized_matmul).
-        if x.shape[0] <= self.max_quantized_tokens:
-            return self.quantized(x)
-        return self.dense(x)  # a oneDNN PackedLinear once the runner has packed the model
+        # Compiled graphs hold the C kernels too (as carpool:: ops).
+        if self.kq is not None:
+            y = self.kq(x, self.tile_from)
+            return y if self.bias is None else y + self.bias
+        if self.tile_from and x.shape[0] >= self.tile_from and x.dtype == torch.bfloat16:
+            y = self.tiles(x, 1)
+            return y if self.bias is None else y + self.bias
+        return self.quantized(x)
+
+
+class CodesAssembly:
+    """The linears that keep a GGUF's own codes, built while the weights stream in. The meta
+    model's linears lose their weight parameter, so nothing dense is ever allocated for them;
+    their parts (q, k, v; gate, up) collect here, and each becomes a QuantizedLinear as soon as
+    all its rows have come, so at most one layer's codes wait unpacked."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, quantized_lm_head: bool):
+        self.model, self.dtype = model, dtype
+        self.pending: dict[str, str] = {}  # weight name -> its linear's name
+        self.parts: dict[str, list] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and (name.startswith("layers.") or (name == "lm_head" and quantized_lm_head)):
+                m.weight = None
+                self.pending[f"{name}.weight"] = name
+
+    def add(self, target: str, offset: int, codes) -> None:
+        if target not in self.pending:
+            raise ValueError(f"no quantized layer takes the codes of {target}")
+        parts = self.parts.setdefault(target, [])
+        parts.append((offset, codes))
+        name = self.pending[target]
+        linear = self.model.get_submodule(name)
+        if sum(c.n for _, c in parts) < linear.out_features:
+            return
+        merged = gguf_codes.concat_rows([c for _, c in sorted(parts, key=lambda part: part[0])])
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), child, QuantizedLinear.from_codes(merged, linear.bias, self.dtype))
+        del self.parts[target], self.pending[target]
+
+    def check_complete(self) -> None:
+        if self.pending:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(self.pending)[:6])}")
 
 
 def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype) -> int:
     """Swap every nn.Linear for a QuantizedLinear; returns how many ('none': nothing).
     With int4 the LM head gets int8, as llama.cpp's own Q4 files keep it at 8 bits: at 4 bits
-    it alone drops the embedded model's top-1 agreement with fp32 from 0.98 to 0.90 (measured)."""
-    if mode == "none":
+    it alone drops the embedded model's top-1 agreement with fp32 from 0.98 to 0.90 (measured).
+    'gguf': the layers keeping the file's codes are in place already (CodesAssembly); others stay."""
+    if mode in ("none", "gguf"):
         return 0
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -202,68 +278,3 @@ def check_quantization(mode: str, device: torch.device) -> None:
         raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs torch's CPU kernels; use it with --device cpu")
-
-
-# ---------------------------------------------------------------- kernel choice
-
-CANDIDATE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# The quantized kernel must win by this much: near-ties are where timing noise would flip the
-# choice from run to run (and with it the rounding of the outputs) for no speed.
-MIN_GAIN = 0.1
-# Where the quantized kernel still wins once the dense one takes this long (both then scale with
-# the tokens: on AVX2 alone, where bf16 GEMMs are emulated, at every size), the sweep stops and
-# the kernel runs at every size.
-SWEEP_SECONDS = 0.02
-EVERY_SIZE = 1 << 62
-
-
-def elapsed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def measure_crossover(layers: list[QuantizedLinear], rounds: int = 3, max_layers: int = 8) -> int:
-    """The largest token count (a power of two, or 0) at which the quantized kernel beats the
-    dense one by MIN_GAIN, or EVERY_SIZE where it wins as far as the sweep goes. Timed over up
-    to `max_layers` of `layers` (one shape) in turn, so weights come from memory as in a forward
-    pass rather than from a hot cache; best of `rounds`, the two kernels interleaved so that a
-    burst of load on a busy host hits both."""
-    layers = layers[:max_layers]
-    best = 0
-    with torch.inference_mode():
-        for m in CANDIDATE_TOKENS:
-            x = torch.randn(m, layers[0].in_features, dtype=layers[0].dtype)
-            quant = lambda: [layer.quantized(x) for layer in layers]
-            dense = lambda: [layer.dense(x) for layer in layers]
-            quant()  # warm-up
-            dense()
-            tq = td = float("inf")
-            for _ in range(rounds):
-                tq, td = min(tq, elapsed(quant)), min(td, elapsed(dense))
-            if tq > (1 - MIN_GAIN) * td:
-                return best
-            best = m
-            if td > SWEEP_SECONDS:
-                break
-    return EVERY_SIZE
-
-
-def choose_kernels(model: nn.Module) -> dict[tuple[str, int, int], int]:
-    """Measure, per quantized weight shape, up to how many tokens the quantized kernel runs;
-    returns {(mode, in, out): max tokens}. Call once the dense copies are packed."""
-    shapes: dict[tuple[str, int, int], list[QuantizedLinear]] = {}
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            shapes.setdefault((m.mode, m.in_features, m.out_features), []).append(m)
-    if not shapes:
-        return {}
-    t = time.perf_counter()
-    chosen = {}
-    for key, layers in shapes.items():
-        chosen[key] = measure_crossover(layers)
-        for layer in layers:
-            layer.max_quantized_tokens = chosen[key]
-    log.info("quantized kernels up to N tokens, dense above (measured in %.2f s): %s", time.perf_counter() - t,
-             ", ".join(f"{mode} {k}x{n}: {'all' if v == EVERY_SIZE else v}" for (mode, k, n), v in chosen.items()))
-    return chosen

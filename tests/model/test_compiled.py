@@ -19,7 +19,6 @@ from carpool.engine import LLMEngine
 from carpool.model import compiled as compiled_module
 from carpool.model.loader import load_model
 from carpool.model.paths import COMPILE_MIN_TOKENS, Path
-from carpool.model.quant import QuantizedLinear
 from carpool.model_runner import ModelRunner
 from carpool.sampling_params import SamplingParams
 from tests.conftest import PROMPTS
@@ -35,11 +34,7 @@ LONG_PROMPT = ("In the middle of the night, the old lighthouse keeper climbed th
 def engine(request, model_path):
     """fp32 without quantization; bf16 with the default int4 weights."""
     engine = LLMEngine(model=model_path, dtype=request.param, kv_cache_memory=256 << 20, enforce_eager=False)
-    if engine.runner.compiled is None:  # AVX2 alone: the int4 kernels win at every size, so it stays eager
-        for m in engine.model.modules():  # here the compiled steps run the dense copies, as on other CPUs
-            if isinstance(m, QuantizedLinear):
-                m.max_quantized_tokens = COMPILE_MIN_TOKENS - 1
-        assert engine.runner.compile_forward()
+    assert engine.runner.compiled is not None
     return engine
 
 

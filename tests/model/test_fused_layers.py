@@ -17,7 +17,7 @@ from carpool.engine import LLMEngine
 from carpool.model.cpu_kernels import has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
-from carpool.model.quant import QuantizedLinear
+from carpool.model.quant import TILE_FROM, QuantizedLinear
 from tests.conftest import PROMPTS
 from tests.helpers import examples, run_greedy
 from tests.model.test_hf_models import write_checkpoint
@@ -27,11 +27,8 @@ MAX_TOKENS = 8
 
 
 def fuse(engine: LLMEngine) -> FusedLayers:
-    """The fused path up to MAX_TOKENS decodes, and the eager layers on the quantized kernels
-    up to there too (whatever crossover start-up measured), so the two compute alike."""
-    for m in engine.model.modules():
-        if isinstance(m, QuantizedLinear):
-            m.max_quantized_tokens = MAX_TOKENS
+    """The fused path up to MAX_TOKENS decodes (below quant.TILE_FROM: the eager layers run the
+    same integer kernels there, so the two compute alike)."""
     engine.runner.fused = FusedLayers.build(engine.model, MAX_TOKENS)
     assert engine.runner.fused is not None and engine.runner.fused.max_tokens == MAX_TOKENS
     return engine.runner.fused
@@ -158,13 +155,13 @@ def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, 
     model, runner = engine.model, engine.runner
     saved, runner.fused = runner.fused, FusedLayers.build(model, FUSED_MAX_TOKENS)
     counted = runner.fused = Counting(runner.fused)
-    model.lm_head.max_quantized_tokens = FUSED_MAX_TOKENS  # every row's logits from one kernel
+    model.lm_head.tile_from = 0  # every row's logits from the integer kernel, however many rows
     try:
         got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
         assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
         want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
     finally:
-        runner.fused, model.lm_head.max_quantized_tokens = saved, MAX_TOKENS
+        runner.fused, model.lm_head.tile_from = saved, TILE_FROM
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)
 

@@ -5,7 +5,6 @@ with fp32, perplexity on a fixed public-domain text) against bf16."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,9 @@ from carpool.harness.synthetic import SyntheticBatches
 from carpool.config import resolve_dtype
 from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
-from carpool.model.compiled import can_compile, warm_up_sizes
-from carpool.model.paths import COMPILE_MIN_TOKENS
-from carpool.model.llama import TensorParallel
 from carpool.model.loader import open_gguf, resolve_quantization
-from carpool.model.quant import (EVERY_SIZE, QuantizedLinear, check_quantization, dequantize_int4, measure_crossover,
-                                 quantize_int4, quantize_int8, quantize_linears, quantize_q4_1)
+from carpool.model.quant import (TILE_FROM, QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
+                                 quantize_int8, quantize_linears, quantize_q4_1)
 from tests.conftest import PROMPTS
 from tests.helpers import examples, run_greedy
 from tests.model.test_cpu_kernels import fresh
@@ -69,25 +65,45 @@ def kernel(request, monkeypatch) -> bool:
     return request.param == "C kernel"
 
 
+def dequantized(q: QuantizedLinear, base: nn.Linear) -> torch.Tensor:
+    """The weights q multiplies, in fp64: Q8_0's / Q4_1's forms for the C kernels, torch's
+    kernels' forms (a scale per channel; (code - 8) * scale + zero) otherwise."""
+    w = base.weight.float()
+    if q.kernel is not None and q.mode == "int8":
+        q8, scales = quantize_int8(w, torch.float16, group_size=32)
+        return q8.double() * scales.double().repeat_interleave(32, dim=1)
+    if q.kernel is not None:
+        q4, scale, low = quantize_q4_1(w)
+        return q4.double() * scale.double().repeat_interleave(32, dim=1) + low.double().repeat_interleave(32, dim=1)
+    if q.mode == "int8":
+        q8, scales = quantize_int8(w, q.dtype)
+        return q8.double() * scales.double()[:, None]
+    return dequantize_int4(*quantize_int4(w, q.dtype)).double()
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, bias", [(96, False), (40, True)])  # 40: int4 pads N to 48
-def test_kernel_and_dense_copy_compute_the_dequantized_weights(kernel, mode, dtype, n, bias):
+def test_layer_computes_the_dequantized_weights(kernel, mode, dtype, n, bias):
+    """One copy of the weights, whichever kernel runs: the integer kernels below quant.TILE_FROM
+    tokens, the bf16 tile kernel (the same codes, dequantized to bf16 in cache) from there."""
     base = linear(n, 64, bias)
     q = QuantizedLinear(base, mode, dtype).to(dtype)
     kernel = kernel and dtype == torch.bfloat16  # fp32 keeps torch's kernel: the reference arithmetic
     assert (q.kernel is not None) == kernel
-    w = q.dense.weight.float()
+    assert (q.tile_from == TILE_FROM) == (kernel and cpu_kernels.has_kq_tiles())
+    assert not any(t.shape == (n, 64) for t in q.parameters())  # no dense copy
+    w = dequantized(q, base)
     assert (w - base.weight).abs().max() <= (0.03 if mode == "int4" else 0.003)  # a quantization step
-    for tokens in (1, 3, 17):
+    b = base.bias.double() if bias else 0
+    for tokens in (1, 3, TILE_FROM + 1):
         x = torch.randn(tokens, 64).to(dtype)
-        ref = x.float() @ w.T + (base.bias if bias else 0)
+        if q.tile_from and tokens >= q.tile_from:  # bf16-rounded weights, bf16 activations, fp32 sums
+            ref = x.double() @ w.bfloat16().double().T + b
+        else:
+            ref = (c_kernel_reference(q, base, x) if kernel else x.double() @ w.T) + b
         tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
-        ref_quantized = c_kernel_reference(q, base, x).float() + (base.bias if bias else 0) if kernel else ref
-        torch.testing.assert_close(q.quantized(x).float(), ref_quantized, **tol)
-        torch.testing.assert_close(q.dense(x).float(), ref, **tol)
-        q.max_quantized_tokens = 1  # forward: the quantized kernel up to 1 token, dense above
-        assert torch.equal(q(x), (q.quantized if tokens == 1 else q.dense)(x))
+        torch.testing.assert_close(q(x).double(), ref, **tol)
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -210,53 +226,27 @@ def test_auto_dtype_is_bf16_for_a_quantized_gguf_even_without_fast_bf16(monkeypa
     assert resolve_dtype("auto", CPU, "an/hf-folder", "none") == torch.bfloat16
 
 
-class Slow(nn.Module):
-    """A linear that takes 30 ms whatever the size, as an emulated bf16 GEMM is slow at any."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.03)
-        return self.fn(x)
-
-
-def test_crossover_stops_where_measuring_gets_slow_and_keeps_the_winner():
-    q = QuantizedLinear(linear(32, 64), "int8", torch.bfloat16).to(torch.bfloat16)
-    quantized, dense = q.quantized, q.dense
-    q.dense = Slow(dense)  # the kernel wins, and the dense one is past SWEEP_SECONDS at once
-    assert measure_crossover([q]) == EVERY_SIZE
-    q.max_quantized_tokens = EVERY_SIZE
-    model = nn.ModuleDict({"proj": q})
-    model.tp = TensorParallel()
-    # a compiled graph holds the kernel as an op, so a model whose kernels win everywhere compiles
-    assert can_compile(model)
-    assert warm_up_sizes(model) == [COMPILE_MIN_TOKENS]  # no size past "every size" to warm up
-    q.dense = dense
-    vars(q)["quantized"] = Slow(quantized)  # an instance attribute shadows the method
-    assert measure_crossover([q]) == 0
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_compiled_layer_runs_the_c_kernel_where_it_wins(mode):
-    """The C kernel is the op carpool::quantized_matmul, so a compiled graph holds it (no graph
-    break) where the measured crossover says it wins, as on AVX2 alone at every size."""
+def test_a_compiled_layer_holds_the_c_kernels(mode):
+    """The C kernels are the ops carpool::quantized_matmul and carpool::kq_matmul (the tiles),
+    so a compiled graph holds them, with no graph break, on either side of quant.TILE_FROM."""
     if not cpu_kernels.has_quantized_matmul():
         pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here")
     q = QuantizedLinear(linear(40, 64, bias=True), mode, torch.bfloat16).to(torch.bfloat16)
-    q.max_quantized_tokens = EVERY_SIZE
-    graphs = []
+    for tokens, op in ((5, "carpool.quantized_matmul"), (TILE_FROM + 4, "carpool.kq_matmul")):
+        if op == "carpool.kq_matmul" and not q.tile_from:
+            continue
+        graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    x = torch.randn(5, 64).bfloat16()
-    got = torch.compile(fresh(lambda x: q(x)), backend=backend, fullgraph=True, dynamic=True)(x)
-    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    assert "carpool.quantized_matmul" in targets
-    assert torch.equal(got, q.quantized(x)) and not torch.equal(got, q.dense(x))
+        x = torch.randn(tokens, 64).bfloat16()
+        got = torch.compile(fresh(lambda x: q(x)), backend=backend, fullgraph=True, dynamic=True)(x)
+        targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+        assert op in targets
+        assert torch.equal(got, q(x))
 
 
 def test_lm_head_stays_int8_under_int4():
@@ -310,15 +300,11 @@ def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality,
     engine = LLMEngine(model=model_path, dtype="bfloat16", quantization=mode, kv_cache_memory=32 << 20)
     layers = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * engine.model_config.num_layers + 1  # LM head included
-    for layer in layers:  # what decode runs: the quantized kernels, whatever the token count
-        layer.max_quantized_tokens = 1 << 30
     top1, ppl = quality(engine, *reference)
     print(f"{mode}: top-1 agreement with fp32 {top1:.4f} (bf16 {bf16_quality[0]:.4f}); "
           f"perplexity {ppl:.2f} (bf16 {bf16_quality[1]:.2f}, {ppl / bf16_quality[1] - 1:+.1%})")
     assert top1 >= min_top1
     assert ppl <= bf16_quality[1] * max_ppl_ratio
-    # Through the engine loop (calibrated kernel choice, chunked prefill + decode): coherent text.
-    for layer in layers:
-        layer.max_quantized_tokens = 4
+    # Through the engine loop (chunked prefill + decode): coherent text.
     out = run_greedy(engine, [engine.tokenizer.encode("The capital of France is")], 4)[0]
     assert "Paris" in engine.tokenizer.decode(out)
