@@ -78,9 +78,9 @@ def test_every_vllm_serve_flag_is_accepted(line, tmp_path, caplog):
 
 
 def test_vllm_values_are_mapped(caplog, tmp_path):
-    _, config = warnings_for(["--dtype", "half", "--max-model-len", "1k", "-q", "gguf", "--kv-cache-memory-bytes",
+    _, config = warnings_for(["--dtype", "half", "--max-model-len", "1k", "--kv-cache-memory-bytes",
                               "64M", "--max-num-batched-tokens", "2K"], caplog)
-    assert (config.dtype, config.max_model_len, config.quantization) == ("float16", 1000, "auto")
+    assert (config.dtype, config.max_model_len) == ("float16", 1000)
     assert config.kv_cache_memory == 64 << 20 and config.max_num_batched_tokens == 2048
     with pytest.raises(SystemExit):
         parse_args(["serve", "--max-model-len", "lots"])
