@@ -49,8 +49,9 @@ def test_export_tokenizer_writes_a_folder_transformers_loads(tmp_path):
     from carpool.config import default_model_path
     from carpool.tokenizer import load_tokenizer
 
-    r = run_cli("export-tokenizer", default_model_path(), str(tmp_path / "tok"))
-    assert r.returncode == 0, r.stderr
+    from carpool.cli import main
+
+    assert main(["export-tokenizer", default_model_path(), str(tmp_path / "tok")]) == 0
     exported, ours = AutoTokenizer.from_pretrained(str(tmp_path / "tok")), load_tokenizer(default_model_path())
     for text in ("Hello wörld 12345", "<|im_start|>user\nÉclair? 🍰<|im_end|>", "  spaces\tand\nlines  "):
         assert exported.encode(text) == ours.encode(text), text
@@ -58,4 +59,4 @@ def test_export_tokenizer_writes_a_folder_transformers_loads(tmp_path):
     chat = [{"role": "user", "content": "Hi"}]
     assert exported.apply_chat_template(chat, tokenize=False) == ours.apply_chat_template(chat, tokenize=False)
     assert exported.model_max_length == 8192  # the model's context
-    assert run_cli("export-tokenizer", "a", "b", "c").returncode == 2
+    assert main(["export-tokenizer", "a", "b", "c"]) == 2

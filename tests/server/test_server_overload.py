@@ -187,13 +187,13 @@ async def test_a_burst_past_the_limit_is_refused_at_once(scripted):
 
 @pytest.mark.anyio
 async def test_a_small_request_is_not_held_up_by_large_tokenize_calls(api):
-    """Four /tokenize calls of ~1.5 MB (seconds of tokenising each, two at a time) are still
-    running when a small completion, sent after them, has its whole answer."""
-    big = {"prompt": "The quick brown fox jumps over the lazy dog 12345. " * 30000}
+    """Four /tokenize calls of ~0.75 MB (about a second of tokenising each, two at a time) are
+    still running when a small completion, sent after them, has its whole answer."""
+    big = {"prompt": "The quick brown fox jumps over the lazy dog 12345. " * 15000}
     large = [asyncio.ensure_future(api.post("/tokenize", json=big)) for _ in range(4)]
     await asyncio.sleep(0.2)  # the large ones are being tokenised
     r = await api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert not all(t.done() for t in large)
     for response in await asyncio.gather(*large):
-        assert response.status_code == 200 and response.json()["count"] > 400_000
+        assert response.status_code == 200 and response.json()["count"] > 200_000
