@@ -27,7 +27,7 @@ AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --
 
 
 def prepare(ctx: ServingContext, body: bytes) -> Prepared:
-    """On the prepare thread: parse, apply the chat template, check, build the choices."""
+    """On a prepare thread: parse, apply the chat template, check, build the choices."""
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
     ctx.warn_unknown_fields(req)
     ctx.check_model(req.model)

@@ -18,7 +18,7 @@ DEFAULT_MAX_TOKENS = 16  # as in OpenAI's legacy completions API
 
 
 def prepare(ctx: ServingContext, body: bytes) -> Prepared:
-    """On the prepare thread: parse, tokenize, check, build one SamplingParams per choice."""
+    """On a prepare thread: parse, tokenize, check, build one SamplingParams per choice."""
     req: CompletionRequest = parse_request(CompletionRequest, body)
     ctx.warn_unknown_fields(req)
     ctx.check_model(req.model)

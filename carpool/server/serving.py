@@ -204,7 +204,7 @@ class ServingContext:
             return None
         return f"the server is overloaded: {waiting} requests are waiting (--max-waiting-requests {limit}); retry later"
 
-    # ------------------------------------------------------------ validation (prepare thread)
+    # ------------------------------------------------------------ validation (prepare threads)
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -325,7 +325,7 @@ class ServingContext:
             raise APIError(str(exc), param=_field_of(str(exc))) from None
 
     def structured_outputs(self, req) -> StructuredOutputsParams | None:
-        """The request's constraint, compiled here on the prepare thread: a bad schema is a 400
+        """The request's constraint, compiled here on a prepare thread: a bad schema is a 400
         naming the field it came in, and the engine thread later only copies the cached grammar."""
         if req.structured is None:
             return None
