@@ -24,7 +24,6 @@ MAPPED: dict[str, tuple[str, Any]] = {
 # vLLM's values for a carpool flag that carpool names otherwise.
 ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},
-    "quantization": {"gguf": "auto"},  # vLLM's name for a GGUF's own quantization: what auto keeps
 }
 
 # vLLM engine and server arguments with nothing to set here, and why (said once, in the warning).

@@ -206,8 +206,8 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
     # model/quant.py; "auto" is resolved by loader.resolve_quantization.
     quantization: str = field(default="auto", metadata={
-        "help": "weight-only quantized linears on CPU (default auto: a Q4_0/Q4_1/Q8_0 GGUF keeps "
-                "its own 4/8 bits in bf16/fp16, anything else none)",
+        "help": "weight-only quantized linears on CPU (default auto: a quantized GGUF keeps its own "
+                "codes in bf16 (gguf; Q4_0/Q4_1/Q8_0 as int4/int8), anything else none)",
         "short": "-q", "choices": QUANTIZATIONS})
     # vLLM's --generation-config; "vllm" leaves SamplingParams' own defaults.
     generation_config: str = field(default="auto", metadata={
@@ -254,7 +254,7 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose auto, none, int8 or int4")
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config)
                                                                    / "generation_config.json").is_file():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
