@@ -106,14 +106,16 @@ class ApiKeyMiddleware:
 
     PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str | list[str]):
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
 
     def authorized(self, auth: bytes) -> bool:
-        """`Bearer KEY`; the scheme's name is case-insensitive (RFC 7235), the key is not."""
+        """`Bearer KEY`, KEY any of the keys; the scheme's name is case-insensitive (RFC 7235),
+        the key is not. Every key is compared, in constant time each."""
         scheme, _, key = auth.partition(b" ")
-        return hmac.compare_digest(key, self.expected) and scheme.lower() == b"bearer"
+        matches = [hmac.compare_digest(key, expected) for expected in self.expected]
+        return any(matches) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope).startswith(self.PROTECTED):

@@ -16,7 +16,7 @@ from carpool.tools.parsers import TOOL_PARSERS, get_tool_parser
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # several: any of them is accepted (vLLM's --api-key K1 K2)
     served_model_name: list[str] | None = None
     max_waiting_requests: int | None = None
     # Engine requests (prompts x n) one HTTP request may create.
@@ -109,9 +109,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server (named as in vllm serve)")
     g.add_argument("--host", default=d.host, help=f"bind address (default: {d.host})")
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $CARPOOL_API_KEY, else $VLLM_API_KEY, else no key)")
+    g.add_argument("--api-key", nargs="+", default=os.environ.get("CARPOOL_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize, KEY one of "
+                        "these (default: $CARPOOL_API_KEY, else $VLLM_API_KEY, else no key)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients may ask for; the first is reported "
                         "(default: the model's file or folder name)")

@@ -118,6 +118,9 @@ async def test_api_key(make_http):
             assert r.status_code == 200, scheme
         for auth in ("bearer SEKRET", "Basic sekret", "sekret", "Bearer  sekret", "Bearer"):
             assert (await s.get("/v1/models", headers={"Authorization": auth})).status_code == 401, auth
+    async with make_http(api_key=["one", "two"]) as s:  # vLLM's --api-key K1 K2: any of them
+        for key, status in (("one", 200), ("two", 200), ("three", 401), ("one two", 401)):
+            assert (await s.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code == status
 
 
 THINKING_TEMPLATE = "{% if enable_thinking %}<think>{% endif %}[{{ messages[-1].content }}]"
@@ -252,6 +255,7 @@ def test_vllm_server_flags_parse(caplog):
     args, _ = parse("--kv-cache-dtype", "fp8")
     apply_vllm_engine_flags(args, engine_config(args))
     assert sum("--kv-cache-dtype fp8" in m for m in caplog.messages) == 1
+    assert parse("--api-key", "a", "b")[1].api_key == ["a", "b"]
     _, defaults = parse()
     assert (defaults.root_path, defaults.response_role, defaults.max_logprobs) == ("", "assistant", 20)
 
