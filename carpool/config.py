@@ -158,7 +158,7 @@ class ModelConfig:
 # The policies of carpool/core/scheduler.py by name, so that the config checks a name without
 # importing the engine (tests/test_args.py checks that its SCHEDULERS registry has these names).
 SCHEDULER_NAMES = ("sarathi", "vllm", "orca", "request-level", "chunked-only", "hybrid-only")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # as model/quant.py
 
 
 def parse_memory(text: str) -> int:
