@@ -510,13 +510,14 @@ def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype, gg
     return "none"
 
 
-def _quantized_lm_head(reader, model: LlamaModel) -> bool:
-    """Whether the LM head keeps the file's codes: its tensor (or the tied embedding) is of a type
-    kquant.c multiplies, and the vocabulary is not split across tensor-parallel ranks."""
-    if not model.is_last or model.tp.size > 1:
-        return False
-    name = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
-    return any(t.name == name and t.tensor_type in gguf_codes.SUPPORTED for t in reader.tensors)
+def _quantized_tables(reader, model: LlamaModel) -> tuple[bool, bool]:
+    """Whether the LM head and the embedding keep the file's codes: their tensor (the embedding's
+    for a tied head) is of a type kquant.c multiplies, and the vocabulary is not split across
+    tensor-parallel ranks."""
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    quantized = lambda name: model.tp.size == 1 and types.get(name) in gguf_codes.SUPPORTED  # noqa: E731
+    head = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
+    return model.is_last and quantized(head), model.is_first and quantized("token_embd.weight")
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
@@ -537,7 +538,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     wanted = None if model.is_first and model.is_last else stage_wants(model)
     keep_codes = quantization == "gguf"
     weights = gguf_weights(reader, config, wanted, keep_codes) if is_gguf(path) else hf_weights(Path(path), wanted)
-    sink = CodesAssembly(model, dtype, quantized_lm_head=_quantized_lm_head(reader, model)) if keep_codes else None
+    sink = CodesAssembly(model, dtype, *_quantized_tables(reader, model)) if keep_codes else None
     if quantization in ("none", "gguf"):  # loaded straight into the dtype it runs in: no float copy
         model.to(dtype=dtype)  # (int4 / int8 quantize from the float weights, so they load in fp32)
     model.to_empty(device="cpu")  # the linears that keep codes have no weight to allocate

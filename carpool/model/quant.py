@@ -126,6 +126,13 @@ def _tiles(tensors: cpu_kernels.KQTensors, n: int, k: int, bits: int, offset: in
     return cpu_kernels.KQuantMatmul(tensors, n, k, bits, offset, 32, m_sign)
 
 
+def packed_kernel(codes: gguf_codes.QuantCodes) -> cpu_kernels.KQuantMatmul:
+    """A GGUF tensor's codes packed for csrc/kquant.c."""
+    p = gguf_codes.pack(codes)
+    tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
+    return cpu_kernels.KQuantMatmul(tensors, p.n, p.k, p.bits, p.offset, p.super_size)
+
+
 class QuantizedLinear(nn.Module):
     """A bias-optional linear layer whose only weights are quantized (see the module doc): one
     copy, whichever kernel runs."""
@@ -178,16 +185,15 @@ class QuantizedLinear(nn.Module):
     # tile_from: the token count from which the tile kernel runs (0: never; tests set it).
 
     @classmethod
-    def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype
-                   ) -> QuantizedLinear:
-        """A layer that multiplies a GGUF tensor's own codes by csrc/kquant.c."""
+    def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+                   kq: cpu_kernels.KQuantMatmul | None = None) -> QuantizedLinear:
+        """A layer that multiplies a GGUF tensor's own codes by csrc/kquant.c (`kq`: those codes
+        packed already, shared with a tied embedding)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        p = gguf_codes.pack(codes)
-        self.mode, self.in_features, self.out_features, self.dtype = "gguf", p.k, p.n, dtype
+        self.kq = kq or packed_kernel(codes)
+        self.mode, self.in_features, self.out_features, self.dtype = "gguf", self.kq.k, self.kq.n, dtype
         self.kernel = self.tiles = None
-        tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
-        self.kq = cpu_kernels.KQuantMatmul(tensors, p.n, p.k, p.bits, p.offset, p.super_size)
         self.tile_from = TILE_FROM if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() else 0
         self.bias = bias
         return self
@@ -224,18 +230,34 @@ class QuantizedLinear(nn.Module):
         return self.quantized(x)
 
 
-class CodesAssembly:
-    """The linears that keep a GGUF's own codes, built while the weights stream in. The meta
-    model's linears lose their weight parameter, so nothing dense is ever allocated for them;
-    their parts (q, k, v; gate, up) collect here, and each becomes a QuantizedLinear as soon as
-    all its rows have come, so at most one layer's codes wait unpacked."""
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept as a GGUF's codes: a lookup dequantizes only the rows it reads
+    (bit for bit the rows of the dequantized table), and a tied LM head shares the codes."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, quantized_lm_head: bool):
+    def __init__(self, kq: cpu_kernels.KQuantMatmul, dtype: torch.dtype):
+        super().__init__()
+        self.kq, self.dtype = kq, dtype
+        self.num_embeddings, self.embedding_dim = kq.n, kq.k
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.kq.rows(input_ids, self.dtype)
+
+
+class CodesAssembly:
+    """The layers that keep a GGUF's own codes, built while the weights stream in. The meta
+    model's linears (and, unsharded, the embedding) lose their weight parameter, so nothing dense
+    is ever allocated for them; their parts (q, k, v; gate, up) collect here, and each becomes a
+    QuantizedLinear (QuantizedEmbedding) as soon as all its rows have come, so at most one
+    layer's codes wait unpacked. A tied LM head packs the embedding's codes once, for both."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, quantized_lm_head: bool, quantized_embedding: bool):
         self.model, self.dtype = model, dtype
-        self.pending: dict[str, str] = {}  # weight name -> its linear's name
+        self.pending: dict[str, str] = {}  # weight name -> its layer's name
         self.parts: dict[str, list] = {}
+        self.last: tuple[object, cpu_kernels.KQuantMatmul] | None = None  # the codes packed last
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and (name.startswith("layers.") or (name == "lm_head" and quantized_lm_head)):
+            if (isinstance(m, nn.Linear) and (name.startswith("layers.") or (name == "lm_head" and quantized_lm_head))
+                    or (isinstance(m, nn.Embedding) and name == "embed_tokens" and quantized_embedding)):
                 m.weight = None
                 self.pending[f"{name}.weight"] = name
 
@@ -245,15 +267,22 @@ class CodesAssembly:
         parts = self.parts.setdefault(target, [])
         parts.append((offset, codes))
         name = self.pending[target]
-        linear = self.model.get_submodule(name)
-        if sum(c.n for _, c in parts) < linear.out_features:
+        layer = self.model.get_submodule(name)
+        rows = layer.num_embeddings if isinstance(layer, nn.Embedding) else layer.out_features
+        if sum(c.n for _, c in parts) < rows:
             return
-        merged = gguf_codes.concat_rows([c for _, c in sorted(parts, key=lambda part: part[0])])
+        merged = parts[0][1] if len(parts) == 1 else \
+            gguf_codes.concat_rows([c for _, c in sorted(parts, key=lambda part: part[0])])
+        kq = self.last[1] if self.last is not None and self.last[0] is merged else packed_kernel(merged)
+        self.last = (merged, kq)
+        built = QuantizedEmbedding(kq, self.dtype) if isinstance(layer, nn.Embedding) else \
+            QuantizedLinear.from_codes(merged, layer.bias, self.dtype, kq)
         parent, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent), child, QuantizedLinear.from_codes(merged, linear.bias, self.dtype))
+        setattr(self.model.get_submodule(parent), child, built)
         del self.parts[target], self.pending[target]
 
     def check_complete(self) -> None:
+        self.last = None
         if self.pending:
             raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(self.pending)[:6])}")
 

@@ -18,7 +18,7 @@ from carpool.engine import LLMEngine
 from carpool.model import cpu_kernels
 from carpool.model.gguf_encode import requantize_gguf
 from carpool.model.loader import open_gguf, resolve_quantization
-from carpool.model.quant import QuantizedLinear
+from carpool.model.quant import QuantizedEmbedding, QuantizedLinear
 from tests.helpers import run_greedy
 from tests.model.test_quant import teacher_forced_logits
 
@@ -76,6 +76,7 @@ def test_q4_k_m_agrees_with_fp32_on_its_dequantized_weights(q4_k_m):
     assert model.quantization == "gguf"
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * engine.model_config.num_layers + 1 and all(m.kq is not None for m in layers)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.kq is model.lm_head.kq
     assert not any(p.dim() == 2 and p.shape[1] == engine.model_config.hidden_size and p.shape[0] != model.config.vocab_size
                    for p in model.layers.parameters())  # no dense layer weights
     got = teacher_forced_logits(engine, seq).argmax(-1)
@@ -100,9 +101,9 @@ print(before, status("VmRSS"), status("VmHWM"))
 
 def test_loading_memory_is_a_bounded_multiple_of_the_file(q4_k_m):
     """Resident memory after load within the file's size + 200 MB over the process before it
-    (measured: +288 MB for a 100 MB file), and the peak while loading within 5x the file + 200 MB
-    (measured: +540 MB; the transients are the embedding table dequantized to fp32, 113 MB here,
-    a tensor's codes unpacked to a byte each, and numpy's temporaries while packing them)."""
+    (measured: +220 MB for a 100 MB file), and the peak while loading within 5x the file + 200 MB
+    (measured: +450 MB; the transients are a tensor's codes unpacked to a byte each and numpy's
+    temporaries while packing them). The embedding and a tied LM head share one packed copy."""
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, q4_k_m], capture_output=True, text=True, check=True)
     before, after, peak = map(int, out.stdout.split())
     size = os.path.getsize(q4_k_m)
