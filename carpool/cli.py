@@ -146,6 +146,13 @@ def cmd_bench_quant(args) -> int:
     return 0
 
 
+def cmd_bench_startup(args) -> int:
+    from carpool.bench.startup import run_startup_bench
+
+    run_startup_bench(args)
+    return 0
+
+
 def cmd_bench_structured(args) -> int:
     from carpool.bench.structured import run_structured_bench
 
@@ -318,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output", default="bench_results/quant")
     add_engine_args(q)
     q.set_defaults(func=cmd_bench_quant)
+
+    su = bench.add_parser("startup", help="seconds from `carpool serve` to its first answer, by phase "
+                                          "(the server's log lines timestamped as they arrive)")
+    su.add_argument("--model", default=None)
+    su.add_argument("--timeout", type=float, default=600.0)
+    su.add_argument("--output", default="bench_results/startup")
+    su.add_argument("serve_args", nargs="*", help="more `carpool serve` flags, after --")
+    su.set_defaults(func=cmd_bench_startup)
 
     st = bench.add_parser("structured", help="structured outputs: every output of 53 JSON schemas validates; "
                                              "decode step time, all rows constrained vs none")

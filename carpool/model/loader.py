@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import re
+import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from carpool.config import ModelConfig
 from carpool.model import cpu_kernels, gguf_codes
 from carpool.model.llama import LlamaModel, TensorParallel
 from carpool.model.gguf_codes import QuantCodes
-from carpool.model.quant import CodesAssembly, check_quantization, quantize_linears
+from carpool.model.gguf_file import GGUFFile
+from carpool.model.quant import CodesAssembly, QuantizedEmbedding, check_quantization, quantize_linears
 
 log = logging.getLogger("carpool")
 
@@ -304,12 +307,11 @@ def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | No
 # ---------------------------------------------------------------- both
 
 def open_gguf(path: str):
-    """Parsing GGUF metadata takes seconds; open it once and share the reader."""
-    from gguf import GGUFReader
-
+    """The file's metadata and tensor table (model/gguf_file.py), shared by the loader and the
+    tokenizer; the tensors stay in the mapped file."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, EOFError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError, struct.error) as e:
         raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {e}") from e
     for t in reader.tensors:  # a truncated file maps fewer bytes than its tensors claim
         if t.data.nbytes < t.n_bytes:
@@ -526,6 +528,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     """quantization: 'int8' / 'int4' swap the linear layers (LM head included, not the embedding)
     for weight-only quantized ones, quantized from the fp32 weights after sharding; 'auto': see
     resolve_quantization. The mode in use is left in `model.quantization`."""
+    start = time.perf_counter()
     if is_gguf(path):
         reader = gguf_reader or open_gguf(path)
         config = gguf_model_config(reader)
@@ -548,4 +551,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     quantize_linears(model, quantization, dtype)
     model.quantization = quantization
     model = model.to(device=device, dtype=dtype).eval()
+    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+        t.numel() * t.element_size() for m in model.modules() if getattr(m, "kq", None) is not None
+        and not isinstance(m, QuantizedEmbedding) for t in m.kq.tensors if t is not None)
+    log.info("loaded %s in %.1f s (quantization %s): weights %.0f MiB as held; process RSS %.0f MiB",
+             Path(path).name, time.perf_counter() - start, quantization, stored / 2**20, resident_bytes() / 2**20)
     return model
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is missing)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
