@@ -6,14 +6,14 @@ Three paths compute the same layers; the model runner picks one per step (`choos
 - compiled (model/compiled.py): each layer's dense halves as Inductor graphs, attention eager;
 - eager (model/llama.py): the model's own forward, one module call at a time.
 
-The fused path runs steps of up to FUSED_MAX_TOKENS tokens, past the quantized matmuls' own
-crossover (8-16 tokens, where packed bf16 GEMMs overtake them one call at a time): a whole fused
+The fused path runs steps of up to FUSED_MAX_TOKENS tokens, on the integer kernels throughout
+(the eager layers switch to the bf16 tile kernel at quant.TILE_FROM tokens): a whole fused
 step beat the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at
 1 decode, 15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31, a sweep of decode-only
 steps over both paths; a 16-token step of 4 decodes and a 12-token chunk: 17 vs
 31-33 ms, `carpool bench hybrid`; Intel Xeon with AMX, 2 threads, 2026-12-01). Where it cannot
-run (fp32, dense weights, tensor parallelism, Qwen3's q/k norms, the profiler's attention hook),
-those steps run eager.
+run (fp32, dense weights, a GGUF's K-quant codes, tensor parallelism, Qwen3's q/k norms, Gemma's
+layers, the profiler's attention hook), those steps run eager.
 
 Only steps of at least COMPILE_MIN_TOKENS tokens run compiled. A compiled call costs ~50 us of
 Python (guard checks, wrappers) against ~5 us for an eager op, so at a few tokens per step the
