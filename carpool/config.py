@@ -161,6 +161,33 @@ SCHEDULER_NAMES = ("sarathi", "vllm", "orca", "request-level", "chunked-only", "
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # as model/quant.py
 
 
+# Sarathi's default step-time target. Under a full load every running stream gets one token per
+# step, so this is the slowest a stream runs: 300 ms is ~3.3 tokens/s, ~2.5 words/s at ~1.3
+# tokens a word (read-aloud pace; silent reading is ~4 words/s), and stays under the ~0.5 s at
+# which a pause reads as a stall, with room for steps that run over their plan (the largest gap
+# was at most 1.1x the target in the Zen 1 burst runs, benchmarks/results/burst_vs_llamacpp_zen1.json).
+# It also leaves room for the whole 512-token step where that takes ~220 ms (the embedded model on
+# AMX: largest gap 222 ms, serving_vs_llamacpp_amx.json), so a fast machine keeps its budget.
+DEFAULT_TARGET_TBT_MS = 300.0
+
+
+def parse_target_tbt_ms(text: str) -> float:
+    """--target-tbt-ms: milliseconds; 0, 'none' or 'off' for the fixed token budget."""
+    if text.strip().lower() in ("none", "off"):
+        return 0.0
+    return float(text)
+
+
+def default_target_tbt_ms() -> float:
+    """The default target, or the environment's CARPOOL_TARGET_TBT_MS (the test suite sets 0:
+    most tests want the fixed budget's deterministic batches, without a calibration per engine)."""
+    text = os.environ.get("CARPOOL_TARGET_TBT_MS", "").strip()
+    try:
+        return parse_target_tbt_ms(text) if text else DEFAULT_TARGET_TBT_MS
+    except ValueError:
+        raise ValueError(f"CARPOOL_TARGET_TBT_MS={text!r}: expected milliseconds, 0 or none") from None
+
+
 def parse_memory(text: str) -> int:
     """'2GiB', '512MB', '1e9' -> bytes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -193,12 +220,20 @@ class EngineConfig:
     # Reuse the KV of full blocks whose whole prefix was computed before (core/block_manager.py).
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes computed before (default: on)"})
-    # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler). Without a
-    # `cost_profile` the step-time fit starts from the engine's first steps; a profile also gives
-    # the chunk sizes the fit snaps to.
+    # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler); read it as
+    # `target_tbt`. None: the scheduler's default (sarathi: DEFAULT_TARGET_TBT_MS, a comfort
+    # level that yields to a model too slow for it; the others: none); 0: the fixed budget; a
+    # value: that target held as an SLO. Without a `cost_profile` the engine fits its step-time
+    # model on a few throwaway requests at start-up; a profile seeds it instead and also gives the
+    # chunk sizes the fit snaps to.
     target_tbt_ms: float | None = field(default=None, metadata={
-        "help": "sarathi: size each iteration's prefill so its predicted time stays within this "
-                "(the step-time model is fitted online; --max-num-batched-tokens becomes a cap)"})
+        "help": "sarathi: plan each iteration's prefill so its predicted time (a step-time fit learned "
+                "online) stays within this many ms; --max-num-batched-tokens stays the cap. Default "
+                f"{DEFAULT_TARGET_TBT_MS:g}: under full load each stream still gets ~3 tokens/s, about "
+                "read-aloud pace, and pauses stay clear of the ~0.5 s that reads as a stall; where decodes "
+                "alone take over half of it a step may take twice their time. A value given is held as an "
+                "SLO. 0 or none: the fixed budget",
+        "type": parse_target_tbt_ms})
     cost_profile: str | None = field(default=None, metadata={
         "help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"})
     num_threads: int | None = field(default=None, metadata={
@@ -233,6 +268,14 @@ class EngineConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def target_tbt(self) -> float | None:
+        """Sarathi's step-time target in seconds; None for the fixed token budget."""
+        ms = self.target_tbt_ms
+        if ms is None:
+            ms = default_target_tbt_ms() if self.scheduler == "sarathi" else 0.0
+        return ms / 1e3 if ms > 0 else None
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
@@ -244,11 +287,11 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         if self.scheduler not in SCHEDULER_NAMES:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(SCHEDULER_NAMES)}")
-        if self.target_tbt_ms is not None:
-            if not (self.target_tbt_ms > 0 and self.target_tbt_ms < float("inf")):
-                raise ValueError(f"target_tbt_ms must be a positive number, got {self.target_tbt_ms}")
-            if self.scheduler != "sarathi":
-                raise ValueError(f"target_tbt_ms sizes sarathi's chunks; scheduler {self.scheduler!r} has none")
+        for ms, what in ((self.target_tbt_ms, "target_tbt_ms"), (default_target_tbt_ms(), "CARPOOL_TARGET_TBT_MS")):
+            if ms is not None and not (ms >= 0 and ms < float("inf")):
+                raise ValueError(f"{what} must be a positive number of ms, or 0 for the fixed budget; got {ms}")
+        if self.target_tbt_ms and self.scheduler != "sarathi":
+            raise ValueError(f"target_tbt_ms sizes sarathi's chunks; scheduler {self.scheduler!r} has none")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.tensor_parallel_size < 1:

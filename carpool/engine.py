@@ -108,7 +108,7 @@ class LLMEngine:
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
                  num_blocks * config.block_size * per_token / 2**20,
                  " per worker" if config.world_size > 1 else "", self.dtype, self.max_model_len)
-        if config.target_tbt_ms is not None and not config.cost_profile:
+        if config.target_tbt is not None and not config.cost_profile:
             self._calibrate_step_cost()
 
     # ------------------------------------------------------------ requests in
@@ -290,8 +290,9 @@ class LLMEngine:
                  time.perf_counter() - start)
 
     def _step_cost_args(self, config: EngineConfig) -> dict:
-        """A target TBT for sarathi, with the step-time fit seeded from a profile if one is given."""
-        if config.target_tbt_ms is None:
+        """A target TBT for sarathi, with the step-time fit seeded from a profile if one is given;
+        held as an SLO when given, as a comfort level when it is the default."""
+        if config.target_tbt is None:
             return {}
         from carpool.core.cost_profile import ProfiledCostModel
         from carpool.core.step_cost import StepCostModel, seeded_step_cost
@@ -300,7 +301,8 @@ class LLMEngine:
         if config.cost_profile:
             profile = ProfiledCostModel.load(config.cost_profile)
             cost, sizes = seeded_step_cost(profile, config.max_num_batched_tokens, self.max_model_len)
-        return {"target_tbt": config.target_tbt_ms / 1e3, "cost": cost, "chunk_sizes": sizes}
+        return {"target_tbt": config.target_tbt, "cost": cost, "chunk_sizes": sizes,
+                "strict": config.target_tbt_ms is not None}
 
     def add_batch_observer(self, observe: Callable[[ScheduledBatch], None]) -> Callable[[], None]:
         """Call `observe(batch)` for every batch as it is submitted, before it runs (the

@@ -12,6 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Eager forwards unless a test asks for the compiled one: the suite builds hundreds of engines,
 # and compiling each would add minutes (tests/model/test_compiled.py covers compilation).
 os.environ.setdefault("CARPOOL_ENFORCE_EAGER", "1")
+# The fixed token budget unless a test asks for sarathi's default step-time target: its batches
+# follow measured step times, and each engine would time throwaway requests at start-up
+# (tests/core/test_default_target.py covers the default).
+os.environ.setdefault("CARPOOL_TARGET_TBT_MS", "0")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Hypothesis profiles: `dev` (make test) runs a quarter of each property test's examples, `ci`

@@ -106,7 +106,7 @@ class Target:
         if spec.dynamic:  # a placeholder target until the SLO's is known (follow_slo)
             cfg = replace(cfg, target_tbt_ms=cfg.target_tbt_ms or 1e3)
         else:
-            cfg = replace(cfg, target_tbt_ms=None, cost_profile=None)
+            cfg = replace(cfg, target_tbt_ms=0, cost_profile=None)  # a fixed budget
         engine = LLMEngine(cfg)
         self._tokenizer = self._tokenizer or engine.tokenizer
         self.max_model_len = engine.max_model_len

@@ -291,15 +291,21 @@ class SloSarathiScheduler(SarathiScheduler):
     `slo_unreachable`; a step with no decodes still gets a small first chunk (else prompts would
     starve). `max_num_batched_tokens` stays a hard cap, and a chunk never exceeds twice the
     largest step the fit has seen (its trust region) until it has seen larger ones.
-    `chunk_sizes` snaps chunks to sizes the machine runs fastest, when a sweep shows slow ones."""
+    `chunk_sizes` snaps chunks to sizes the machine runs fastest, when a sweep shows slow ones.
+
+    `strict=False` makes the target a comfort level rather than an SLO (the engine's default
+    target): a step may always take twice what its decodes alone are predicted to take, so on a
+    model too slow for the target prompts still get half of each step. Held strictly, decodes
+    that alone fill the target keep every prompt waiting until they finish."""
 
     name = "sarathi"
     MIN_CHUNK = 16  # the first chunk of a step without decodes, even when the target is unreachable
 
     def __init__(self, *args, target_tbt: float, cost: StepCostModel | None = None,
-                 chunk_sizes: ChunkSizes | None = None, **kwargs):
+                 chunk_sizes: ChunkSizes | None = None, strict: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.cost = cost or StepCostModel()
+        self.strict = strict
         self.set_target(target_tbt)
         self.chunk_sizes = chunk_sizes
         self.num_slo_unreachable = 0
@@ -308,13 +314,15 @@ class SloSarathiScheduler(SarathiScheduler):
         if not (target_tbt > 0 and target_tbt < float("inf")):
             raise ValueError(f"target TBT must be a positive number of seconds, got {target_tbt}")
         self.target_tbt = target_tbt
+        self.step_limit = target_tbt  # the seconds this step's chunks may fill (see schedule)
         self.cost.margin_from = target_tbt / 2  # the margin of the steps this target plans
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.schedule_decodes(batch)
-        decodes_only = BatchShape.of(batch)
-        if batch.requests and self.cost.upper(decodes_only) > self.target_tbt:
+        decodes_only = self.cost.upper(BatchShape.of(batch))
+        self.step_limit = self.target_tbt if self.strict else max(self.target_tbt, 2 * decodes_only)
+        if batch.requests and decodes_only > self.step_limit:
             batch.slo_unreachable = True
         else:
             self.continue_prefills(batch)
@@ -331,7 +339,7 @@ class SloSarathiScheduler(SarathiScheduler):
         if cap <= 0:
             return 0
         base = BatchShape.of(batch)
-        fits = lambda n: self.cost.upper(base.with_chunk(n, start, n == remaining)) <= self.target_tbt  # noqa: E731
+        fits = lambda n: self.cost.upper(base.with_chunk(n, start, n == remaining)) <= self.step_limit  # noqa: E731
         lo, hi = 0, cap  # fits(lo) holds (no chunk); find the largest n <= cap that fits
         if fits(hi):
             lo = hi
@@ -430,13 +438,15 @@ SCHEDULERS: dict[str, type[Scheduler]] = {cls.name: cls for cls in (
 
 def make_scheduler(name: str, block_manager: BlockManager, max_num_batched_tokens: int,
                    max_num_seqs: int, max_model_len: int | None = None, target_tbt: float | None = None,
-                   cost: StepCostModel | None = None, chunk_sizes: ChunkSizes | None = None) -> Scheduler:
-    """A policy by name; with `target_tbt` (seconds), sarathi's budget follows that target."""
+                   cost: StepCostModel | None = None, chunk_sizes: ChunkSizes | None = None,
+                   strict: bool = True) -> Scheduler:
+    """A policy by name; with `target_tbt` (seconds), sarathi's budget follows that target
+    (`strict`: as an SLO; else as a comfort level, see SloSarathiScheduler)."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
     if target_tbt is not None:
         if name != "sarathi":
             raise ValueError(f"a target TBT sets sarathi's token budget; scheduler {name!r} has none to set")
         return SloSarathiScheduler(block_manager, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   target_tbt=target_tbt, cost=cost, chunk_sizes=chunk_sizes)
+                                   target_tbt=target_tbt, cost=cost, chunk_sizes=chunk_sizes, strict=strict)
     return SCHEDULERS[name](block_manager, max_num_batched_tokens, max_num_seqs, max_model_len)

@@ -102,10 +102,10 @@ def test_the_engine_seeds_its_step_time_fit_from_a_profile(tmp_path):
 
     path = tmp_path / "p.csv"
     write_profile(path)
-    config = SimpleNamespace(target_tbt_ms=100.0, cost_profile=str(path), max_num_batched_tokens=512)
+    config = SimpleNamespace(target_tbt_ms=100.0, target_tbt=0.1, cost_profile=str(path), max_num_batched_tokens=512)
     engine = SimpleNamespace(max_model_len=2048)  # all _step_cost_args reads of the engine
     args = LLMEngine._step_cost_args(engine, config)
-    assert args["target_tbt"] == pytest.approx(0.1)
+    assert args["target_tbt"] == pytest.approx(0.1) and args["strict"]  # a given target is an SLO
     fit, sizes = args["cost"], args["chunk_sizes"]
     assert isinstance(fit, StepCostModel) and fit.ready and isinstance(sizes, ChunkSizes)
     probe = BatchShape(prefills=((128, 512),), decode_contexts=(512,) * 8, num_sampled=8)
