@@ -59,6 +59,31 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* 16 values of fp32 or bf16 (is_bf16) from index i, as fp32. */
+static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 rows of one token's output at out + i (fp32 or bf16, rounded to nearest even as torch
+   does); the rows past `live` (a last, partial block of rows) are not written. */
+static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
+    const __mmask16 mask = live >= 16 ? 0xffff : (__mmask16)((1u << live) - 1);
+    if (!is_bf16) {
+        _mm512_mask_storeu_ps((float *)out + i, mask, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
 /* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
 
 /* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */

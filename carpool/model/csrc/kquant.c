@@ -45,7 +45,9 @@
 
 #define KQ_GROUP 32
 #define KQ_ROWS 16
-#define KQ_TILE 4         /* tokens per pass of the integer kernel: accumulators in registers */
+#ifndef KQ_TILE
+#define KQ_TILE 8         /* tokens per pass of the integer kernel: accumulators in registers */
+#endif
 #define GEMM_TOKENS 12    /* tokens per pass of the bf16 kernel: 2 blocks x 12 = 24 accumulators */
 
 int kq_supported(void) {
@@ -163,12 +165,6 @@ typedef struct {
     int64_t groups;
 } HalfActivations;
 
-static inline __m512 load16f(const void *x, int64_t i, int is_bf16) {
-    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, HalfActivations *a) {
     a->groups = k / KQ_GROUP;
     const int64_t values = tokens * a->groups;
@@ -180,7 +176,7 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
     a->q = (int8_t *)(a->qsum + 2 * values);
     for (int64_t v = 0; v < values; v++) {
         const int64_t i = v * KQ_GROUP;
-        const __m512 lo = load16f(x, i, is_bf16), hi = load16f(x, i + 16, is_bf16);
+        const __m512 lo = load16(x, i, is_bf16), hi = load16(x, i + 16, is_bf16);
         const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
         const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
@@ -192,19 +188,6 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
         a->qsum[2 * v] = _mm512_reduce_add_epi32(qlo), a->qsum[2 * v + 1] = _mm512_reduce_add_epi32(qhi);
     }
     return 1;
-}
-
-/* 16 rows of one token's output; rows past `live` are not written. */
-static inline void kq_store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
-    const __mmask16 mask = live >= KQ_ROWS ? 0xffff : (__mmask16)((1u << live) - 1);
-    if (!is_bf16) {
-        _mm512_mask_storeu_ps((float *)out + i, mask, v);
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(v);  /* round to nearest even, as torch does */
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
 /* Block b of the weight against `tn` tokens from t0 (tn constant where inlined). */
@@ -250,11 +233,17 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
         for (int64_t t0 = 0; t0 < tokens; t0 += KQ_TILE) {
             __m512 acc[KQ_TILE];
             const int64_t tn = tokens - t0 < KQ_TILE ? tokens - t0 : KQ_TILE;
-            if (tn == 4) int_block(w, &a, b, t0, 4, acc);
-            else if (tn == 3) int_block(w, &a, b, t0, 3, acc);
-            else if (tn == 2) int_block(w, &a, b, t0, 2, acc);
-            else int_block(w, &a, b, t0, 1, acc);
-            for (int64_t t = 0; t < tn; t++) kq_store16(out, (t0 + t) * n + b * KQ_ROWS, acc[t], n - b * KQ_ROWS, is_bf16);
+            switch (tn) {
+                case 8: int_block(w, &a, b, t0, 8, acc); break;
+                case 7: int_block(w, &a, b, t0, 7, acc); break;
+                case 6: int_block(w, &a, b, t0, 6, acc); break;
+                case 5: int_block(w, &a, b, t0, 5, acc); break;
+                case 4: int_block(w, &a, b, t0, 4, acc); break;
+                case 3: int_block(w, &a, b, t0, 3, acc); break;
+                case 2: int_block(w, &a, b, t0, 2, acc); break;
+                default: int_block(w, &a, b, t0, 1, acc); break;
+            }
+            for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * KQ_ROWS, acc[t], n - b * KQ_ROWS, is_bf16);
         }
     }
     free(a.scale);
@@ -323,7 +312,7 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *til
     }
     for (int i = 0; i < nb; i++)
         for (int t = 0; t < tn; t++)
-            kq_store16(out, (t0 + t) * n + row0 + i * KQ_ROWS, acc[i][t], n - row0 - i * KQ_ROWS, 1);
+            store16(out, (t0 + t) * n + row0 + i * KQ_ROWS, acc[i][t], n - row0 - i * KQ_ROWS, 1);
 }
 
 #define TOKENS_CASES(NB)                                                                    \

@@ -85,12 +85,6 @@ int quant_gemv_supported(void) {
 
 #ifdef HAVE_VNNI
 
-static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
-    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
     if (!alloc_activations(tokens, k, a)) return 0;
     const int64_t values = tokens * a->groups;
@@ -108,20 +102,6 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
         a->qsum[v] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
     return 1;
-}
-
-/* 16 rows of token t's output; the rows past `live` (a last, partial block) are not written. */
-static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
-    const __mmask16 mask = live >= ROWS ? 0xffff : (__mmask16)((1u << live) - 1);
-    if (!is_bf16) {
-        _mm512_mask_storeu_ps((float *)out + i, mask, v);
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(v);  /* round to nearest even, as torch does */
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)out + i, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
 /* The integer dot products of 16 rows with one group of `tn` tokens (tn constant where inlined):
