@@ -267,16 +267,19 @@ class LLMEngine:
                                                    batch.slo_unreachable))
         return outputs
 
-    CALIBRATION_PROMPTS = (16, 48, 96, 160, 512)  # ~830 tokens: 2-3 s on a 2-core CPU
+    # ~460 prompt tokens and 4 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
+    # for a 1B model (start-up waits for it); the 384-token prompt shows the fit attention over a
+    # long prefix.
+    CALIBRATION_PROMPTS = (16, 64, 384)
+    CALIBRATION_DECODES = 4
 
     def _calibrate_step_cost(self) -> None:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
         ready: an empty fit predicts nothing, and the first users' steps would be sized by its
-        trust region alone (64, 128, 256 tokens, ...), whatever they cost. The 512-token prompt
-        shows the fit attention over a long prefix."""
+        trust region alone (64, 128, 256 tokens, ...), whatever they cost."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
-        params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+        params = SamplingParams(max_tokens=self.CALIBRATION_DECODES, ignore_eos=True, temperature=0)
         for k, n in enumerate(self.CALIBRATION_PROMPTS):
             if n < self.max_model_len - params.max_tokens:
                 self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,

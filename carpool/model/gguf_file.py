@@ -87,6 +87,12 @@ class GGUFFile:
                 data = raw.reshape(*numpy_shape[:-1], numpy_shape[-1] // block * size)
             self.tensors.append(Tensor(name, shape, kind, n_bytes, data))
 
+    def drop_pages(self) -> None:
+        """Let the kernel drop the file's pages from this process's memory (they stay mapped and
+        are read again if touched): once a model is loaded, nothing reads them."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(fmt, self._map, self._at)
         self._at += struct.calcsize(fmt)

@@ -551,6 +551,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     quantize_linears(model, quantization, dtype)
     model.quantization = quantization
     model = model.to(device=device, dtype=dtype).eval()
+    if reader is not None:
+        reader.drop_pages()  # the weights are copied out (packed or widened); the tokenizer reads fields
     stored = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
         t.numel() * t.element_size() for m in model.modules() if getattr(m, "kq", None) is not None
         and not isinstance(m, QuantizedEmbedding) for t in m.kq.tensors if t is not None)
