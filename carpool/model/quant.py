@@ -179,10 +179,9 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("scale_zeros", scale_zeros)
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
-        self.tile_from = TILE_FROM if self.tiles is not None else 0  # 0: the integer kernel at every size
+        # From this many tokens the tile kernel runs; 0: the integer kernel at every size.
+        self.tile_from = TILE_FROM if self.tiles is not None else 0
         self.bias = linear.bias
-
-    # tile_from: the token count from which the tile kernel runs (0: never; tests set it).
 
     @classmethod
     def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype,
