@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from carpool.bench.hostload import OtherCpu
@@ -62,10 +63,10 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
                 kernels["int4 C VNNI"].append(functools.partial(with_c.kernel, amx_from=0))
                 kernels["int4 C AMX"].append(functools.partial(with_c.kernel, amx_from=1))
         if dtype == torch.bfloat16 and cpu_kernels.has_kq_matmul() and in_features % 256 == 0:
-            for qtype in ("Q4_K", "Q6_K"):
+            for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
                 codes = gguf_codes.decode(gguf_encode.quantize(linear.weight.numpy(), qtype), qtype,
                                           (out_features, in_features))
-                kernels[f"{qtype} C"].append(QuantizedLinear.from_codes(codes, None, dtype))
+                kernels[f"{qtype.name} C"].append(QuantizedLinear.from_codes(codes, None, dtype))
         dense = linear.to(dtype).requires_grad_(False)
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):

@@ -111,10 +111,11 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 # From this many tokens, the bf16 tile kernel (dequantize a block once, reuse it across the
-# chunk) runs instead of the integer kernel: at 16 tokens of an 8192x2048 weight, one thread,
-# the two took 3.00 and 3.17 ms (integer ahead), at 64 tokens 13.95 and 7.42 ms (2-core AMD EPYC
-# Zen 5, `carpool bench quant`). A constant, not a measurement at start: the outputs of a run
-# do not depend on how busy the host was while it started.
+# chunk) runs instead of the integer kernel. A Q4_K-form 16384x2048 weight, 2 threads: integer
+# 1.83 / 3.57 / 7.33 ms at 8 / 16 / 32 tokens, tiles 2.75 / 3.76 / 4.67 ms (2-core AMD EPYC Zen 5,
+# a scratch timing of the two kernels; `carpool bench quant` times the layer as the engine runs
+# it). A constant, not a measurement at start: a run's outputs do not depend on how busy the
+# host was while it started.
 TILE_FROM = 16
 
 
