@@ -267,11 +267,11 @@ class LLMEngine:
                                                    batch.slo_unreachable))
         return outputs
 
-    # ~460 prompt tokens and 4 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
+    # ~460 prompt tokens and 6 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
     # for a 1B model (start-up waits for it); the 384-token prompt shows the fit attention over a
     # long prefix.
     CALIBRATION_PROMPTS = (16, 64, 384)
-    CALIBRATION_DECODES = 4
+    CALIBRATION_DECODES = 6
 
     def _calibrate_step_cost(self) -> None:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
@@ -280,10 +280,12 @@ class LLMEngine:
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=self.CALIBRATION_DECODES, ignore_eos=True, temperature=0)
-        for k, n in enumerate(self.CALIBRATION_PROMPTS):
+        for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
             if n < self.max_model_len - params.max_tokens:
                 self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,
                                  request_id=f"calibration-{k}")
+                for _ in range(2):  # its prefill beside the earlier ones' decodes, then a decode
+                    self.step()
         while self.has_unfinished_requests():
             self.step()
         self.reset_prefix_cache()

@@ -295,8 +295,10 @@ class SloSarathiScheduler(SarathiScheduler):
 
     `strict=False` makes the target a comfort level rather than an SLO (the engine's default
     target): a step may always take twice what its decodes alone are predicted to take, so on a
-    model too slow for the target prompts still get half of each step. Held strictly, decodes
-    that alone fill the target keep every prompt waiting until they finish."""
+    model too slow for the target prompts still get half of each step; and a step with no
+    decodes takes the whole token budget, since no stream waits on it (a lone 256-token prompt
+    on a 1B model: TTFT 0.83 s in one step against 1.88 s in target-sized chunks). Held strictly,
+    decodes that alone fill the target keep every prompt waiting until they finish."""
 
     name = "sarathi"
     MIN_CHUNK = 16  # the first chunk of a step without decodes, even when the target is unreachable
@@ -320,16 +322,19 @@ class SloSarathiScheduler(SarathiScheduler):
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.schedule_decodes(batch)
+        decoding = bool(batch.requests)
         decodes_only = self.cost.upper(BatchShape.of(batch))
         self.step_limit = self.target_tbt if self.strict else max(self.target_tbt, 2 * decodes_only)
-        if batch.requests and decodes_only > self.step_limit:
+        if not self.strict and not decoding:
+            self.step_limit = float("inf")  # no stream is waiting for its next token: the fixed budget
+        if decoding and decodes_only > self.step_limit:
             batch.slo_unreachable = True
         else:
             self.continue_prefills(batch)
             self.admit_chunks(batch)
         batch.shape = BatchShape.of(batch)
         batch.predicted_time = self.cost.upper(batch.shape)
-        if batch.requests and batch.predicted_time > self.target_tbt:
+        if batch.requests and batch.predicted_time > self.target_tbt and (self.strict or decoding):
             batch.slo_unreachable = True
         self.num_slo_unreachable += batch.slo_unreachable
         return batch.ordered()

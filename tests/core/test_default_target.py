@@ -184,3 +184,16 @@ def test_a_default_engine_runs_the_target_with_a_fitted_cost(model_path, monkeyp
     while engine.has_unfinished_requests():
         engine.step()
     assert len(req.output_token_ids) == 4
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_step_without_decodes_takes_the_whole_budget_under_the_default(strict):
+    """Nothing is decoding, so no stream waits on the step: the default target lets a lone prompt
+    take the whole token budget, however dear; a target given explicitly still bounds it."""
+    sched = scheduler_for(config(**({"target_tbt_ms": DEFAULT_TARGET_TBT_MS} if strict else {})))
+    assert sched.strict == strict
+    sched.cost = synthetic(0.01, 3e-3)  # 512 tokens: 1.5 s, five times the target
+    sched.add_request(request(0, 2000, 4))
+    batch = step(sched)
+    assert batch.total_tokens == (sched.max_num_batched_tokens if not strict else int((0.3 - 0.01) / 3e-3))
+    assert batch.slo_unreachable == (batch.predicted_time > sched.target_tbt and strict)
