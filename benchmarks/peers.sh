@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# carpool against llama.cpp and vLLM-CPU (../shared/peers kits), one server at a time on a quiet machine.
+# Usage: PEERS_OUT=DIR benchmarks/peers.sh OUT, DIR holding llama1b/ (random_llama.py), llama1b-bf16.gguf,
+# llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps.
+set -uo pipefail
+OUT="$1"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=$PWD/.venv/bin/python
+CARPOOL=$PWD/.venv/bin/carpool
+LLAMA=$HOME/.cache/carpool-peers/llamacpp/build/bin/llama-server
+Q4KM=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-q4_k_m.gguf
+BF16=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-bf16.gguf
+NP=16
+wait_up() { for i in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+single() { # URL NAME MODEL
+  $CARPOOL bench serving --arrivals burst --num-requests 1 --lengths fixed --prompt-len 256 --output-len 128 --qps 1 \
+    --no-plots --no-logprobs --seed 1 --base-url "$1/v1" --served-model "$3" --output "$OUT/$2-single" > "$OUT/$2-single.log" 2>&1
+}
+burst() { # URL NAME MODEL
+  $CARPOOL bench serving --arrivals burst --num-requests 16 --lengths uniform --prompt-range 64,1024 --output-range 64,256 \
+    --qps 1 --no-plots --no-logprobs --seed 0 --base-url "$1/v1" --served-model "$3" --output "$OUT/$2-burst" > "$OUT/$2-burst.log" 2>&1
+}
+carpool_run() { # NAME MODEL KIND(single|both) [serve flags]
+  local name=$1 model=$2 kind=$3; shift 3
+  $CARPOOL serve --model "$model" --port 8011 "$@" > "$OUT/$name-server.log" 2>&1 & local pid=$!
+  wait_up http://127.0.0.1:8011 || { echo "$name did not start"; kill $pid; return; }
+  local served=$(curl -s http://127.0.0.1:8011/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  single http://127.0.0.1:8011 "$name" "$served"
+  [ "$kind" = both ] && burst http://127.0.0.1:8011 "$name" "$served"
+  kill $pid; wait $pid 2>/dev/null
+}
+llama_run() { # NAME GGUF KIND
+  local name=$1 model=$2 kind=$3
+  "$LLAMA" -m "$model" --host 127.0.0.1 --port 8080 --alias peer -t "$(nproc)" -tb "$(nproc)" -np $NP -cb \
+    -c $((NP * 1280)) --cache-ram 0 -fa off --metrics > "$OUT/$name-server.log" 2>&1 & local pid=$!
+  wait_up http://127.0.0.1:8080 || { echo "$name did not start"; kill $pid; return; }
+  single http://127.0.0.1:8080 "$name" peer
+  [ "$kind" = both ] && burst http://127.0.0.1:8080 "$name" peer
+  kill $pid; wait $pid 2>/dev/null
+}
+vllm_run() { # NAME HF_FOLDER KIND
+  local name=$1 model=$2 kind=$3
+  bash ../shared/peers/vllm-cpu/serve.sh "$model" 8000 > "$OUT/$name-server.log" 2>&1 & local pid=$!
+  wait_up http://127.0.0.1:8000 || { echo "$name did not start"; kill $pid; return; }
+  single http://127.0.0.1:8000 "$name" "$model"
+  [ "$kind" = both ] && burst http://127.0.0.1:8000 "$name" "$model"
+  kill $pid; wait $pid 2>/dev/null; pkill -f vllm.entrypoints || true
+}
+date > "$OUT/started"
+for step in ${STEPS:-q4km-carpool q4km-llama q4km-carpool-fixed bf16-carpool bf16-llama bf16-vllm smol-carpool smol-llama smol-vllm}; do
+  echo "== $step $(date +%T)"
+  case $step in
+    q4km-carpool) carpool_run q4km-carpool $Q4KM both ;;
+    q4km-carpool-fixed) carpool_run q4km-carpool-fixed $Q4KM both --target-tbt-ms 0 ;;
+    q4km-llama) llama_run q4km-llama $Q4KM both ;;
+    bf16-carpool) carpool_run bf16-carpool $BF16 single ;;
+    bf16-llama) llama_run bf16-llama $BF16 single ;;
+    bf16-vllm) vllm_run bf16-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b single ;;
+    smol-carpool) carpool_run smol-carpool "$($PY -c 'from carpool.config import EngineConfig; print(EngineConfig().model)')" both ;;
+    smol-llama) llama_run smol-llama "$($PY -c 'from carpool.config import EngineConfig; print(EngineConfig().model)')" both ;;
+    smol-vllm) vllm_run smol-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/smollm2-135m-hf both ;;
+  esac
+done
+date > "$OUT/finished"
