@@ -69,6 +69,21 @@ static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* A group of 32 activations from index i rounded to int8 at q: codes round(x * 127 / max|x|),
+   to nearest even. Gives the values (lo, hi: channels 0..15, 16..31) and codes as vectors, for
+   the callers' sums; returns the group's scale, max|x| / 127. */
+static inline float quantize_group32(const void *x, int64_t i, int is_bf16, int8_t *q, __m512 *lo, __m512 *hi,
+                                     __m512i *qlo, __m512i *qhi) {
+    *lo = load16(x, i, is_bf16), *hi = load16(x, i + 16, is_bf16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(*lo), _mm512_abs_ps(*hi)));
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    *qlo = _mm512_cvtps_epi32(_mm512_mul_ps(*lo, inv));
+    *qhi = _mm512_cvtps_epi32(_mm512_mul_ps(*hi, inv));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(*qlo));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(*qhi));
+    return top / 127.f;
+}
+
 /* 16 rows of one token's output at out + i (fp32 or bf16, rounded to nearest even as torch
    does); the rows past `live` (a last, partial block of rows) are not written. */
 static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {

@@ -176,14 +176,9 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
     a->q = (int8_t *)(a->qsum + 2 * values);
     for (int64_t v = 0; v < values; v++) {
         const int64_t i = v * KQ_GROUP;
-        const __m512 lo = load16(x, i, is_bf16), hi = load16(x, i + 16, is_bf16);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-        _mm_storeu_si128((__m128i *)(a->q + i), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(a->q + i + 16), _mm512_cvtsepi32_epi8(qhi));
-        a->scale[v] = top / 127.f;
+        __m512 lo, hi;
+        __m512i qlo, qhi;
+        a->scale[v] = quantize_group32(x, i, is_bf16, a->q + i, &lo, &hi, &qlo, &qhi);
         a->sum[2 * v] = _mm512_reduce_add_ps(lo), a->sum[2 * v + 1] = _mm512_reduce_add_ps(hi);
         a->qsum[2 * v] = _mm512_reduce_add_epi32(qlo), a->qsum[2 * v + 1] = _mm512_reduce_add_epi32(qhi);
     }
