@@ -197,10 +197,11 @@ class ServingContext:
 
     def overloaded(self) -> str | None:
         """Why a new generation request is refused (503), or None: the engine's waiting requests
-        and those being prepared already reach --max-waiting-requests."""
+        and those being prepared already reach --max-waiting-requests. Not while the engine is
+        down: its queue no longer moves, and the handler says why it cannot serve (engine_dead)."""
         limit = self.options.max_waiting_requests
         waiting = self.client.num_waiting + self.admitting
-        if limit is None or waiting < limit:
+        if limit is None or waiting < limit or not self.client.healthy:
             return None
         return f"the server is overloaded: {waiting} requests are waiting (--max-waiting-requests {limit}); retry later"
 
