@@ -36,8 +36,9 @@ def can_compile(model: LlamaModel) -> bool:
     also where they win at every size (AVX2 alone). Gemma's layers (sandwich norms, windows,
     soft-caps) are not the halves compiled here: they stay eager. Nor are models that keep a
     GGUF's K-quant codes (`--quantization gguf`): their steps are the kernels' time, and compiling
-    gained nothing for 10-12 s of start-up (a 1B Q4_K_M model's 256-token prefill: 0.84-1.06 s
-    compiled, 0.89-1.05 s eager; 2-core AMD EPYC Zen 5)."""
+    gained nothing for 10-12 s of start-up (a 1B Q4_K_M model's 256-token prefill, three in a row
+    through LLMEngine with enforce_eager False / True: 0.84-1.06 s compiled, 0.89-1.05 s eager;
+    2-core AMD EPYC Zen 5)."""
     return model.tp.size == 1 and model.config.llama_layers and getattr(model, "quantization", None) != "gguf"
 
 

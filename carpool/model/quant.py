@@ -111,11 +111,11 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 # From this many tokens, the bf16 tile kernel (dequantize a block once, reuse it across the
-# chunk) runs instead of the integer kernel. A Q4_K-form 16384x2048 weight, 2 threads: integer
-# 1.83 / 3.57 / 7.33 ms at 8 / 16 / 32 tokens, tiles 2.75 / 3.76 / 4.67 ms (2-core AMD EPYC Zen 5,
-# a scratch timing of the two kernels; `carpool bench quant` times the layer as the engine runs
-# it). A constant, not a measurement at start: a run's outputs do not depend on how busy the
-# host was while it started.
+# chunk) runs instead of the integer kernel: the integer kernel's time grows with every token,
+# the tile kernel's barely until its dequantization is paid for, and the two meet around 16
+# tokens on a 2-core AMD EPYC Zen 5 (`carpool bench quant`: the layers as the engine runs them,
+# BENCHMARKS.md "GGUF K-quants at 1B"). A constant, not a measurement at start: a run's outputs
+# do not depend on how busy the host was while it started.
 TILE_FROM = 16
 
 
