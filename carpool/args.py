@@ -73,8 +73,8 @@ _WHY = {
              "enable_lora max_loras max_lora_rank lora_extra_vocab_size lora_dtype max_cpu_loras fully_sharded_loras "
              "default_mm_loras lora_modules enable_lora_bias long_lora_scaling_factors qlora_adapter_name_or_path "
              "enable_prompt_adapter max_prompt_adapters max_prompt_adapter_token prompt_adapters"),
-    "Speculative": ("no speculative decoding",
-                    "speculative_config speculative_model num_speculative_tokens "
+    "Speculative": ("set speculative decoding with --speculative-config (vLLM's JSON) instead",
+                    "speculative_model num_speculative_tokens "
                     "speculative_draft_tensor_parallel_size ngram_prompt_lookup_max ngram_prompt_lookup_min"),
     "Disaggregated": ("no disaggregated prefill or KV events", "kv_transfer_config kv_events_config tokens_only"),
     "Tracing": ("no OpenTelemetry tracing; Prometheus metrics at /metrics",
@@ -175,7 +175,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             continue
         if f.name in HUMAN_INTS:
             extras.setdefault("type", human_int)
-        extras.setdefault("type", _SCALARS[f.type.split(" | ")[0]])
+        if "type" not in extras:
+            extras["type"] = _SCALARS[f.type.split(" | ")[0]]
         if f.name in ALIASES:
             extras["type"] = _aliased(f.name, extras["type"])
         g.add_argument(*names, default=default, **extras)

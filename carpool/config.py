@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +198,81 @@ def parse_memory(text: str) -> int:
     return int(float(s))
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # as carpool/spec/proposers.py
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` JSON names it (carpool/spec).
+
+    Each step a proposer guesses up to `num_speculative_tokens` next tokens of a running request
+    and the target model scores them with the request's own token in one pass; the tokens it
+    would have produced anyway are kept. ngram: the continuation of the latest earlier place
+    where the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
+    occur in its prompt or output. draft_model: a smaller `model` with the same tokenizer, run
+    greedily on its own KV cache."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model (method draft_model): a .gguf file or HF folder
+    quantization: str = "auto"  # of the draft model, as EngineConfig.quantization
+
+    # vLLM's keys that carpool reads (an unknown key is an error, so a typo is never ignored).
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+            "quantization", "draft_tensor_parallel_size")
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; carpool speculates with "
+                             f"{' or '.join(SPECULATIVE_METHODS)}")
+        if not (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 32):
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, 32], "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs the draft's \"model\" (a path)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config: unknown quantization {self.quantization!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From vLLM's forms: a JSON object (the flag), a dict (`LLM(speculative_config=...)`), or
+        None. Without a method, a `model` means draft_model, as in vLLM; "[ngram]" means ngram."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        unknown = sorted(set(value) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; carpool reads {list(cls.KEYS)}")
+        if value.pop("draft_tensor_parallel_size", None) not in (None, 1):
+            raise ValueError("speculative_config: the draft model runs in the engine's process "
+                             "(draft_tensor_parallel_size 1)")
+        if value.get("model") == "[ngram]" or value.get("model") == "ngram":
+            value.pop("model")
+            value.setdefault("method", "ngram")
+        if "method" not in value:
+            value["method"] = "draft_model" if value.get("model") else "ngram"
+        if value["method"] == "draft_model" and value.get("model") is not None:
+            value["model"] = str(value["model"])
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """--speculative-config: vLLM's JSON object (see SpeculativeConfig)."""
+    return SpeculativeConfig.parse(text)
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLMEngine` needs. Each field is a command-line flag of the same name (as vLLM
@@ -253,6 +329,12 @@ class EngineConfig:
     enforce_eager: bool | None = field(default=None, metadata={
         "help": "run the forward eagerly instead of compiled by torch.compile (default: compiled, "
                 "warmed up at start-up; CARPOOL_ENFORCE_EAGER=1 also turns it off)"})
+    # carpool/spec: None speculates nothing.
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, ...}. Drafts "
+                "take what each step's token budget leaves after decodes and prefill chunks",
+        "type": parse_speculative_config})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "shard every layer over this many worker processes", "short": "-tp"})
     pipeline_parallel_size: int = field(default=1, metadata={
@@ -302,6 +384,7 @@ class EngineConfig:
                                                                    / "generation_config.json").is_file():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
                              f"generation_config.json, got {self.generation_config!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
         if self.enforce_eager is None:

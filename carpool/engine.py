@@ -29,6 +29,8 @@ from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
+from carpool.spec.acceptance import SpecDecodeStats, SpecState
+from carpool.spec.proposers import make_proposer
 from carpool.structured import StructuredOutputs
 from carpool.structured.masks import MaskJob
 from carpool.tokenizer import load_tokenizer
@@ -46,6 +48,8 @@ class IterationStats:
     num_preempted: int
     predicted_duration: float | None = None  # by an SLO-following policy, when it planned the step
     slo_unreachable: bool = False  # its decodes alone were predicted over the target TBT
+    num_draft_tokens: int = 0  # speculative tokens scored (carpool/spec)
+    num_accepted_tokens: int = 0  # of which verification kept
 
 
 class LLMEngine:
@@ -104,6 +108,9 @@ class LLMEngine:
         # as a run of these, which the server treats as the engine being dead.
         self.num_consecutive_failed_steps = 0
         self._batch_observers: list[Callable[[ScheduledBatch], None]] = []
+        self.spec_config = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        self.proposer = None if self.spec_config is None else make_proposer(self.spec_config, self)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
                  num_blocks * config.block_size * per_token / 2**20,
@@ -225,6 +232,7 @@ class LLMEngine:
             return []
         batch, start, masks = self._in_flight.popleft()
         num_decode, num_prefill = batch.num_decode_tokens, batch.num_prefill_tokens
+        accepted_before = self.spec_stats.num_accepted_tokens
         scored = [(r, r.prompt_logprob_positions(n)) for r, n in zip(batch.requests, batch.num_tokens)
                   if r.prompt_logprobs is not None]
         try:
@@ -234,38 +242,70 @@ class LLMEngine:
             if ex.max_in_flight > 1:
                 logits = self._drop_aborted(batch, logits)
             ready = self.scheduler.commit(batch)
+            drafts = batch.drafts_of(ready)
             grammar = masks.masks_for(ready) if masks is not None else None
-            tokens, logprobs, errors = self.sampler(logits, ready, grammar) if ready else ([], [], [])
+            outputs = self._emit(logits, ready, drafts, grammar)
         except ExecutorError as exc:
             self._die(exc)
         except Exception as exc:  # fail this batch's requests; the engine keeps serving others
             log.exception("step failed")
             return self._fail(batch, f"{type(exc).__name__}: {exc}")
-        now = time.monotonic()
-        outputs = []
-        for request, token, lp, error in zip(ready, tokens, logprobs, errors):
-            if error is not None:  # this row alone failed to sample; the others go on
-                outputs.append(self._fail_request(request, error))
-                continue
-            if request.grammar is not None and (error := self.structured.accept(request, token)):
-                outputs.append(self._fail_request(request, error))
-                continue
-            if lp is not None:
-                self.outputs.append_logprobs(request, token, lp)
-            status = self.outputs.append_token(request, token, now)
-            if status is None and request.grammar is not None and self.structured.is_complete(request):
-                status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
-            if status is not None:
-                self.scheduler.finish(request, status)
-                del self.requests[request.request_id]
-            outputs.append(self.outputs.make_output(request))
+        if self.proposer is not None:
+            self._propose([r for r in ready if r.status is RequestStatus.RUNNING])
         self.num_consecutive_failed_steps = 0
         duration = time.monotonic() - start
         self.scheduler.observe(batch, duration)
         self.iteration_stats.append(IterationStats(start, duration, num_prefill, num_decode, len(batch),
                                                    len(batch.preempted), batch.predicted_time,
-                                                   batch.slo_unreachable))
+                                                   batch.slo_unreachable, batch.num_draft_tokens,
+                                                   self.spec_stats.num_accepted_tokens - accepted_before))
         return outputs
+
+    def _emit(self, logits: torch.Tensor, ready: list[Request], drafts: list[list[int]],
+              grammar) -> list[RequestOutput]:
+        """Sample each ready request's next token and append it; then, for a request that
+        scored drafts, keep going while the token sampled equals the draft at its place (that
+        draft's KV is then valid, and the next row's logits follow it). Each position is sampled
+        as a step without drafts would sample it: penalties, logprobs, stop checks and the
+        request's generator all see the tokens before it. Returns one output per request."""
+        rows = [0] * len(ready)  # the first logits row of each ready request
+        for i in range(1, len(ready)):
+            rows[i] = rows[i - 1] + 1 + len(drafts[i - 1])
+        now = time.monotonic()
+        failed: dict[int, RequestOutput] = {}
+        kept = [0] * len(ready)
+        active, position = list(range(len(ready))), 0
+        while active:
+            requests = [ready[i] for i in active]
+            tokens, logprobs, errors = self.sampler(logits[[rows[i] + position for i in active]], requests,
+                                                    grammar if position == 0 else None)
+            going = []
+            for i, request, token, lp, error in zip(active, requests, tokens, logprobs, errors):
+                if error is None and request.grammar is not None:
+                    error = self.structured.accept(request, token)
+                if error is not None:  # this row alone failed to sample; the others go on
+                    failed[i] = self._fail_request(request, error)
+                    continue
+                if lp is not None:
+                    self.outputs.append_logprobs(request, token, lp)
+                status = self.outputs.append_token(request, token, now)
+                if status is None and request.grammar is not None and self.structured.is_complete(request):
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
+                if status is not None:
+                    self.scheduler.finish(request, status)
+                    del self.requests[request.request_id]
+                elif position < len(drafts[i]) and token == drafts[i][position]:
+                    self.scheduler.accept_draft(request)
+                    kept[i] += 1
+                    going.append(i)
+            active, position = going, position + 1
+        for i, request in enumerate(ready):
+            if drafts[i]:
+                self.spec_stats.record(len(drafts[i]), kept[i])
+                if request.spec is not None:
+                    request.spec.observe(len(drafts[i]), kept[i])
+                self.scheduler.end_verification(request)
+        return [failed[i] if i in failed else self.outputs.make_output(r) for i, r in enumerate(ready)]
 
     # ~460 prompt tokens and 6 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
     # for a 1B model (start-up waits for it); the 384-token prompt shows the fit attention over a
@@ -326,14 +366,40 @@ class LLMEngine:
                 self.outputs.append_prompt_logprobs(request, score_prompt(rows, request, positions))
         return sampled
 
+    def _propose(self, requests: list[Request]) -> None:
+        """Drafts for the next step of each request that just sampled, as many as its record
+        earns (spec/acceptance.py) and its max_tokens and the context leave room for (the step
+        that verifies k drafts adds up to k + 1 tokens). Grammar-constrained requests do not
+        speculate: their drafts would need checking against the grammar first."""
+        asked, limits = [], []
+        for request in requests:
+            request.spec_token_ids = []
+            if request.grammar is not None:
+                continue
+            if request.spec is None:
+                request.spec = SpecState()
+            room = min(request.sampling_params.max_tokens - request.num_output_tokens,
+                       self.max_model_len - request.num_tokens) - 1
+            limit = min(request.spec.draft_limit(self.spec_config.num_speculative_tokens), room)
+            if limit > 0:
+                asked.append(request)
+                limits.append(limit)
+        if asked:
+            for request, proposal in zip(asked, self.proposer.propose(asked, limits)):
+                request.spec_token_ids = proposal
+
     @staticmethod
     def _drop_aborted(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Rows of requests aborted while their micro-batch was in flight are not sampled."""
         if all(r.status is RequestStatus.RUNNING for r in batch.requests):
             return logits
-        sampled = [r for r, n in zip(batch.requests, batch.num_tokens)
-                   if r.num_computed_tokens + n == r.num_tokens]
-        return logits[[i for i, r in enumerate(sampled) if r.status is RequestStatus.RUNNING]]
+        rows, row = [], 0
+        for r, n, drafts in zip(batch.requests, batch.num_tokens, batch.drafts):
+            if r.num_computed_tokens + n - len(drafts) == r.num_tokens:  # sampled: 1 + len(drafts) rows
+                if r.status is RequestStatus.RUNNING:
+                    rows.extend(range(row, row + 1 + len(drafts)))
+                row += 1 + len(drafts)
+        return logits[rows]
 
     def _die(self, exc: BaseException) -> NoReturn:
         """The parallel workers failed (the executor has stopped the rest): fail every request

@@ -37,7 +37,7 @@ class StepPlan:
     decode_tables: list[list[int]]  # block table of each decode (decodes come first)
     decode_lens: list[int]  # context length of each decode, its new token included
     prefills: list[tuple[int, int, int, list[int]]]  # (row, end row, cached tokens, block table)
-    sample_rows: list[int]  # rows whose logits are sampled
+    sample_rows: list[int]  # rows whose logits are sampled (a decode with k drafts: k + 1 rows)
     fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
     prompt_logprob_rows: list[int] = field(default_factory=list)  # rows scoring prompt tokens
 
@@ -134,7 +134,7 @@ class ModelRunner:
         prompt_rows: list[int] = []
         fresh_tails: list[np.ndarray] = []
         bs = self.block_size
-        for req, n in zip(batch.requests, batch.num_tokens):
+        for req, n, drafts in zip(batch.requests, batch.num_tokens, batch.drafts):
             start = req.num_computed_tokens
             ctx = start + n
             row = len(ids)
@@ -142,16 +142,17 @@ class ModelRunner:
                 # This step starts the block holding token ctx-1. Attention reads that block whole
                 # (masked) and 0 x NaN is NaN, so its unwritten slots must not hold stale garbage.
                 fresh_tails.append(self.slots_for(req.block_ids, ctx, blocks_for(ctx, bs) * bs))
-            ids.extend(req.token_ids[start:ctx])
+            ids.extend(req.token_ids[start:ctx - len(drafts)])
+            ids.extend(drafts)
             positions.append(np.arange(start, ctx))
             slots.append(self.slots_for(req.block_ids, start, ctx))
-            if req.is_decode:
+            if req.is_decode and not drafts:
                 decode_tables.append(req.block_ids[:blocks_for(ctx, bs)])
                 decode_lens.append(ctx)
-            else:
+            else:  # a prefill chunk, or a decode with drafts: causal over its cached context
                 prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
-            if ctx == req.num_tokens:
-                sample_rows.append(row + n - 1)
+            if ctx - len(drafts) == req.num_tokens:  # its last token and each draft are scored
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
             prompt_rows.extend(row + p - start for p in req.prompt_logprob_positions(n))
         return StepPlan(ids, np.concatenate(positions), np.concatenate(slots), decode_tables, decode_lens,
                         prefills, sample_rows, fresh_tails, prompt_rows)

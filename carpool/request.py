@@ -60,6 +60,10 @@ class Request:
     # With prompt_logprobs: entry i scores prompt token i (vLLM's layout: entry 0 is None, as
     # nothing precedes the first token). Grows as prefill chunks compute the positions before.
     prompt_logprobs: list[dict | None] | None = None
+    # Speculative decoding (carpool/spec): the proposer's guesses at the tokens after token_ids,
+    # offered to the next step, and how the request's guesses have fared (SpecState).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

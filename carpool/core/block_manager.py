@@ -169,12 +169,23 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks. Cached ones stay cached (most recently used), the table's
         tail first in line for eviction: a prefix is worth more than what follows it."""
-        rid = request.request_id
-        for block in request.block_ids:
+        self._release(request.request_id, request.block_ids)
+        request.block_ids = []
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens: those a step allocated for
+        speculative tokens that were then rejected."""
+        keep = blocks_for(num_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self._release(request.request_id, request.block_ids[keep:])
+            del request.block_ids[keep:]
+
+    def _release(self, rid: str, blocks: list[int]) -> None:
+        for block in blocks:
             if rid not in self._holders.get(block, ()):
                 raise RuntimeError(f"block {block} freed by {rid}, which does not own it")
         plain = []
-        for block in reversed(request.block_ids):
+        for block in reversed(blocks):
             holders = self._holders[block]
             holders.discard(rid)
             if holders:
@@ -185,7 +196,6 @@ class BlockManager:
             else:
                 plain.append(block)
         self._free.extend(reversed(plain))
-        request.block_ids = []
 
     def holders(self) -> dict[int, set[str]]:
         """Held block -> ids of the requests holding it (for checks and metrics)."""

@@ -10,6 +10,13 @@ takes them and its `num_computed_tokens` starts after them, so every policy gran
 whether it chunks or not. A preempted request looks its own blocks up again when readmitted. In
 `commit`, blocks that the batch filled are registered with the cache.
 
+Speculative tokens (carpool/spec) are granted last, from what the budget leaves: a decode whose
+request holds a proposal (`spec_token_ids`) may score some of those tokens in the same step
+(`schedule_drafts`). They are budget tokens like any other, but never preempt anything and never
+hold back a prefill chunk. `commit` counts only the request's own tokens as computed; the engine
+then accepts drafts one by one as verification keeps them (`accept_draft`) and gives back the
+blocks of the rejected ones (`end_verification`).
+
 With pipeline parallelism several micro-batches are in flight at once. A request whose micro-batch
 has not returned is `in_flight`: every primitive below skips it (no grant, never a preemption
 victim) until `commit` brings it back, so policies need no pipeline-specific code.
@@ -35,6 +42,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     is_decode: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # speculative tokens in each grant (decodes only)
     preempted: list[Request] = field(default_factory=list)
     # Set by policies that plan in time (SloSarathiScheduler): the shape as planned, its
     # predicted seconds, and whether even its decodes alone were predicted over the target.
@@ -46,10 +54,21 @@ class ScheduledBatch:
         self.requests.append(request)
         self.num_tokens.append(num_tokens)
         self.is_decode.append(request.is_decode)
+        self.drafts.append([])
+
+    def set_drafts(self, i: int, drafts: list[int]) -> None:
+        """Entry `i` (a decode) also scores these speculative tokens after its own."""
+        self.num_tokens[i] += len(drafts) - len(self.drafts[i])
+        self.drafts[i] = drafts
+
+    def drafts_of(self, requests: list[Request]) -> list[list[int]]:
+        """The drafts granted to each of `requests` (all in this batch)."""
+        granted = dict(zip(self.requests, self.drafts))
+        return [granted[r] for r in requests]
 
     def remove(self, request: Request) -> None:
         i = next(i for i, r in enumerate(self.requests) if r is request)
-        del self.requests[i], self.num_tokens[i], self.is_decode[i]
+        del self.requests[i], self.num_tokens[i], self.is_decode[i], self.drafts[i]
 
     def __contains__(self, request: Request) -> bool:
         return any(r is request for r in self.requests)
@@ -62,19 +81,25 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+    @property
     def num_decode_tokens(self) -> int:
-        return sum(n for n, d in zip(self.num_tokens, self.is_decode) if d)
+        """Decodes' own tokens (one each), drafts not included."""
+        return sum(1 for d in self.is_decode if d)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.total_tokens - self.num_decode_tokens
+        return self.total_tokens - self.num_decode_tokens - self.num_draft_tokens
 
     def ordered(self) -> ScheduledBatch:
-        """Decodes first: the model runner batches their attention together."""
-        order = sorted(range(len(self.requests)), key=lambda i: not self.is_decode[i])
+        """Plain decodes first (the model runner batches their attention together), then decodes
+        with drafts (each attends like a short chunk), then prefill chunks."""
+        order = sorted(range(len(self.requests)), key=lambda i: 2 * (not self.is_decode[i]) + bool(self.drafts[i]))
         return ScheduledBatch([self.requests[i] for i in order], [self.num_tokens[i] for i in order],
-                              [self.is_decode[i] for i in order], self.preempted, self.shape,
-                              self.predicted_time, self.slo_unreachable)
+                              [self.is_decode[i] for i in order], [self.drafts[i] for i in order],
+                              self.preempted, self.shape, self.predicted_time, self.slo_unreachable)
 
 
 class Scheduler:
@@ -122,9 +147,10 @@ class Scheduler:
         """The batch ran: advance computed tokens; return the requests whose output to sample.
         Requests finished (aborted) while the batch was in flight are skipped."""
         ready = []
-        for request, n in zip(batch.requests, batch.num_tokens):
+        for request, n, drafts in zip(batch.requests, batch.num_tokens, batch.drafts):
             if request.status is not RequestStatus.RUNNING:
                 continue
+            n -= len(drafts)  # a draft's KV counts once verification keeps it (accept_draft)
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(request, request.num_computed_tokens - n, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
@@ -132,6 +158,17 @@ class Scheduler:
         if self.in_flight:
             self.in_flight.difference_update(batch.requests)
         return ready
+
+    def accept_draft(self, request: Request) -> None:
+        """Verification kept the request's next draft: its KV, written by the step, is valid."""
+        request.num_computed_tokens += 1
+        self.block_manager.cache_blocks(request, request.num_computed_tokens - 1, request.num_computed_tokens)
+
+    def end_verification(self, request: Request) -> None:
+        """Give back the blocks that only rejected drafts reached (their slots are rewritten
+        before they are read again)."""
+        if request.status is RequestStatus.RUNNING:
+            self.block_manager.trim(request, request.num_tokens)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """The batch took `seconds` (measured by the engine, or simulated); policies that
@@ -163,6 +200,7 @@ class Scheduler:
             batch.remove(victim)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -262,6 +300,20 @@ class Scheduler:
             if not self.admit(request, n, batch, cached):
                 break
 
+    def schedule_drafts(self, batch: ScheduledBatch) -> None:
+        """Last, with what the budget leaves: speculative tokens for decodes whose request holds
+        a proposal. Drafts never preempt: where blocks run short a decode gets none."""
+        for i, request in enumerate(batch.requests):
+            if not batch.is_decode[i] or not request.spec_token_ids:
+                continue
+            n = self.draft_size(i, request.spec_token_ids, batch)
+            if n > 0 and self.block_manager.allocate(request, request.num_computed_tokens + 1 + n):
+                batch.set_drafts(i, request.spec_token_ids[:n])
+
+    def draft_size(self, i: int, proposal: list[int], batch: ScheduledBatch) -> int:
+        """How many of entry `i`'s proposed tokens the step takes: here what the budget leaves."""
+        return min(len(proposal), self.budget_left(batch))
+
     def schedule(self) -> ScheduledBatch:
         raise NotImplementedError
 
@@ -277,6 +329,7 @@ class SarathiScheduler(Scheduler):
         self.schedule_decodes(batch)
         self.continue_prefills(batch)
         self.admit_chunks(batch)
+        self.schedule_drafts(batch)
         return batch.ordered()
 
 
@@ -332,6 +385,7 @@ class SloSarathiScheduler(SarathiScheduler):
         else:
             self.continue_prefills(batch)
             self.admit_chunks(batch)
+            self.schedule_drafts(batch)
         batch.shape = BatchShape.of(batch)
         batch.predicted_time = self.cost.upper(batch.shape)
         if batch.requests and batch.predicted_time > self.target_tbt and (self.strict or decoding):
@@ -358,6 +412,20 @@ class SloSarathiScheduler(SarathiScheduler):
             n = min(cap, self.MIN_CHUNK)
         return n
 
+    def draft_size(self, i: int, proposal: list[int], batch: ScheduledBatch) -> int:
+        """The most drafts for which the step's predicted time stays within the target (never
+        the relaxed limit a non-strict step may take for prefills: drafts are optional work)."""
+        limit = min(self.step_limit, self.target_tbt)
+        n = min(super().draft_size(i, proposal, batch), self.cost.trusted_tokens() - batch.total_tokens)
+        while n > 0:
+            batch.set_drafts(i, proposal[:n])
+            fits = self.cost.upper(BatchShape.of(batch)) <= limit
+            batch.set_drafts(i, [])
+            if fits:
+                break
+            n -= 1
+        return n
+
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         self.cost.observe(batch.shape or BatchShape.of(batch), seconds)
 
@@ -371,6 +439,7 @@ class HybridOnlyScheduler(Scheduler):
         batch = ScheduledBatch()
         self.schedule_decodes(batch)
         self.admit_whole_prompts(batch)
+        self.schedule_drafts(batch)
         return batch.ordered()
 
 
@@ -390,6 +459,7 @@ class ChunkedOnlyScheduler(Scheduler):
             self.admit_chunks(batch)
         if not batch.requests:
             self.schedule_decodes(batch)
+            self.schedule_drafts(batch)
         self._prefill_turn = not batch.num_prefill_tokens
         return batch.ordered()
 
@@ -405,6 +475,7 @@ class VllmScheduler(Scheduler):
         self.admit_whole_prompts(batch)
         if not batch.requests:
             self.schedule_decodes(batch)
+            self.schedule_drafts(batch)
         return batch.ordered()
 
 
@@ -433,6 +504,7 @@ class RequestLevelScheduler(Scheduler):
             self.admit_whole_prompts(batch)
         else:
             self.schedule_decodes(batch)
+            self.schedule_drafts(batch)
         return batch.ordered()
 
 

@@ -51,12 +51,12 @@ class BatchShape:
     def of(cls, batch: ScheduledBatch) -> BatchShape:
         """The shape of a batch as scheduled (before `commit` advances its requests)."""
         prefills, decodes, sampled = [], [], 0
-        for r, n, is_decode in zip(batch.requests, batch.num_tokens, batch.is_decode):
-            if is_decode:
+        for r, n, is_decode, drafts in zip(batch.requests, batch.num_tokens, batch.is_decode, batch.drafts):
+            if is_decode and not drafts:
                 decodes.append(r.num_computed_tokens + 1)
-            else:
+            else:  # a prefill chunk, or a decode with drafts: a short chunk over its context
                 prefills.append((n, r.num_computed_tokens))
-            sampled += r.num_computed_tokens + n == r.num_tokens
+            sampled += 1 + len(drafts) if r.num_computed_tokens + n - len(drafts) == r.num_tokens else 0
         return cls(tuple(prefills), tuple(decodes), sampled)
 
     def with_chunk(self, n: int, prefix: int, sampled: bool = False) -> BatchShape:

@@ -1,0 +1,76 @@
+"""How many drafts each request is offered, from how its drafts have fared; and the counters.
+
+A draft is worth scoring when it is likely to be reached and kept. With a per-token acceptance
+rate a, the k-th draft is kept with probability a^k, so a request is offered the longest run of
+drafts whose last one still has MIN_REACH chance (a = 0.9: all 5; a = 0.6: 2; a < 0.25: none).
+The rate is an exponential average over the draft tokens verification saw (kept: 1, the first
+rejected: 0; those after it say nothing). A request offered none proposes one draft every
+PROBE_EVERY steps, so it notices when its output starts repeating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_REACH = 0.25
+PRIOR = 0.6  # a new request's acceptance: two drafts to start with
+RATE = 0.3  # weight of each new observation in the average
+PROBE_EVERY = 8
+
+
+@dataclass
+class SpecState:
+    """One request's record of its drafts."""
+
+    acceptance: float = PRIOR
+    steps_without: int = 0
+
+    def draft_limit(self, num_speculative_tokens: int) -> int:
+        """Drafts to ask the proposer for, before the next step."""
+        k, reach = 0, self.acceptance
+        while k < num_speculative_tokens and reach >= MIN_REACH:
+            k += 1
+            reach *= self.acceptance
+        if k:
+            self.steps_without = 0
+            return k
+        self.steps_without += 1
+        if self.steps_without >= PROBE_EVERY:
+            self.steps_without = 0
+            return 1
+        return 0
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        for kept in [1.0] * num_accepted + [0.0] * (num_accepted < num_drafts):
+            self.acceptance += RATE * (kept - self.acceptance)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start, as vLLM's spec_decode counters count them: verifications that had
+    drafts, draft tokens scored, drafts kept, and drafts kept at each position (0 = the first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if not num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens each verification produced, its own sampled token included (vLLM's measure)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
