@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 log = logging.getLogger("carpool")
 
@@ -70,6 +72,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "kq_gemm_supported": ("int", ""),
     "kq_rows": ("void", "ptr w, ptr rows, i64 count, ptr out, int is_bf16"),
     "kq_matmul": ("int", "ptr w, ptr x, ptr out, i64 tokens, int is_bf16, int num_threads, i64 tile_from"),
+    "kq_pack": ("int", "ptr blocks, i64 row_stride, int qtype, ptr rows, i64 count, ptr out, i64 first_row, "
+                       "int num_threads"),
     "paged_attention_runs": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
                                     "ptr block_tables, i64 table_width, ptr context_lens, ptr query_starts, "
                                     "i64 num_runs, i64 num_heads, i64 num_kv_heads, i64 head_dim, i64 block_size, "
@@ -479,31 +483,36 @@ KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.
                   torch.Tensor | None]
 
 
+def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int, super_size: int) -> None:
+    """ValueError unless `tensors` are a weight in kquant.c's form for these sizes."""
+    blocks, groups = -(-n // 16), k // 32
+    planes = 0 if bits == 8 else bits - 4
+    expect = {"lo": ((blocks, groups, 8, 16, 4) if bits == 8 else (blocks, groups, 4, 16, 4), torch.uint8),
+              "hi": ((blocks, groups, planes, 8, 8), torch.uint8) if planes else None,
+              "sc": ((blocks, groups, 2, 16), torch.int8), "mn": ((blocks, groups, 2, 16), torch.int8),
+              "d": ((blocks, k // super_size, 16), torch.float16),
+              "m": ((blocks, k // super_size, 16), torch.float16)}
+    lo, hi, sc, mn, d, m = tensors
+    ok = (k % 32 == 0 and super_size in (32, 256) and k % super_size == 0 and bits in (4, 5, 6, 8)
+          and (hi is None) == (planes == 0) and d is not None)
+    for name, t in zip(expect, tensors):
+        if t is not None and (expect[name] is None or not (t.is_cpu and t.is_contiguous()
+                                                          and (tuple(t.shape), t.dtype) == expect[name])):
+            ok = False
+    if not ok:
+        _reject(kernel, f"contiguous CPU tensors in kquant.c's form for n={n}, k={k}, bits={bits}, "
+                f"super-blocks of {super_size}: " + ", ".join(f"{name} {list(v[0])} {v[1]}"
+                                                              for name, v in expect.items() if v),
+                **dict(zip(expect, tensors)))
+
+
 class KQuantMatmul:
     """x @ W.T for a weight in csrc/kquant.c's form (codes, bit planes, sub-scales, fp16 super-block
     factors; model/gguf_codes.py packs them). The struct of pointers is built once."""
 
     def __init__(self, tensors: KQTensors, n: int, k: int, bits: int, offset: int, super_size: int,
                  m_sign: float = -1.0):
-        lo, hi, sc, mn, d, m = tensors
-        blocks, groups = -(-n // 16), k // 32
-        planes = 0 if bits == 8 else bits - 4
-        expect = {"lo": ((blocks, groups, 8, 16, 4) if bits == 8 else (blocks, groups, 4, 16, 4), torch.uint8),
-                  "hi": ((blocks, groups, planes, 8, 8), torch.uint8) if planes else None,
-                  "sc": ((blocks, groups, 2, 16), torch.int8), "mn": ((blocks, groups, 2, 16), torch.int8),
-                  "d": ((blocks, k // super_size, 16), torch.float16),
-                  "m": ((blocks, k // super_size, 16), torch.float16)}
-        ok = (k % 32 == 0 and super_size in (32, 256) and k % super_size == 0 and bits in (4, 5, 6, 8)
-              and (hi is None) == (planes == 0) and d is not None)
-        for name, t in zip(expect, tensors):
-            if t is not None and (expect[name] is None or not (t.is_cpu and t.is_contiguous()
-                                                              and (tuple(t.shape), t.dtype) == expect[name])):
-                ok = False
-        if not ok:
-            _reject("KQuantMatmul", f"contiguous CPU tensors in kquant.c's form for n={n}, k={k}, bits={bits}, "
-                    f"super-blocks of {super_size}: " + ", ".join(f"{name} {list(v[0])} {v[1]}"
-                                                                  for name, v in expect.items() if v),
-                    **dict(zip(expect, tensors)))
+        _check_kq_tensors("KQuantMatmul", tensors, n, k, bits, super_size)
         self.n, self.k, self.tensors = n, k, tensors  # the tensors keep the pointers valid
         self.form = (n, bits, offset, super_size, m_sign)
         ptr = lambda t: None if t is None else t.data_ptr()
@@ -531,6 +540,33 @@ class KQuantMatmul:
         out = torch.empty((ids.numel(), self.k), dtype=dtype)
         library().kq_rows(ctypes.byref(self.struct), ids.data_ptr(), ids.numel(), out.data_ptr(), dtype is _BF16)
         return out
+
+
+def kq_pack(blocks: np.ndarray, qtype: int, rows: np.ndarray, tensors: KQTensors, n: int, k: int, bits: int,
+            offset: int, super_size: int, first_row: int) -> None:
+    """Rows `rows` of a GGUF tensor of type `qtype` (GGML's number), its blocks [tensor rows, row
+    bytes] uint8 (a column cut may stride the rows), written by csrc/kpack.c as rows first_row ..
+    of the weight `tensors` (kquant.c's form for n, k, bits, offset, super_size; zeroed before the
+    first call, as the calls OR their bits into shared bytes)."""
+    _check_kq_tensors("kq_pack", tensors, n, k, bits, super_size)
+    block_size, type_size = GGML_QUANT_SIZES.get(qtype, (0, 0)) if isinstance(qtype, int) else (0, 0)
+    if not (block_size and k % block_size == 0 and isinstance(blocks, np.ndarray) and blocks.dtype == np.uint8
+            and blocks.ndim == 2 and blocks.shape[1] == k // block_size * type_size and blocks.strides[1] == 1
+            and blocks.strides[0] >= blocks.shape[1] and isinstance(rows, np.ndarray) and rows.dtype == np.int64
+            and rows.ndim == 1 and rows.flags.c_contiguous and 0 <= first_row <= n - len(rows)):
+        _reject("kq_pack", f"a GGML type's blocks [rows, k / block size * block bytes] uint8 for k={k}, "
+                f"int64 rows of them, and a first row with room for them among n={n}",
+                blocks=blocks, rows=rows, qtype=qtype, first_row=first_row)
+    if len(rows) and not (0 <= rows.min() and rows.max() < len(blocks)):
+        raise IndexError(f"kq_pack: rows out of range [0, {len(blocks)})")
+    ptr = lambda t: None if t is None else t.data_ptr()
+    out = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, -1.0)
+    if not library().kq_pack(blocks.ctypes.data, blocks.strides[0], qtype, rows.ctypes.data, len(rows),
+                             ctypes.byref(out), first_row, torch.get_num_threads()):
+        raise ValueError(f"kq_pack: GGML type {qtype} does not fit the form bits={bits}, offset={offset}, "
+                         f"super-blocks of {super_size}, " + ", ".join(
+                             f"{name} {'present' if t is not None else 'absent'}"
+                             for name, t in zip(("sc", "mn", "m"), tensors[2:4] + tensors[5:])))
 
 
 # ---------------------------------------------------------------- the torch ops

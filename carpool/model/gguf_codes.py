@@ -17,7 +17,11 @@ Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4)
 6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales).
 
 Decoding and packing are numpy operations over the whole tensor, never Python loops over rows
-or blocks: a model's weights are converted as it loads.
+or blocks: they are the reference. A model's weights load another way, as it is faster: the loader
+takes them as BlockCodes (from_blocks: rows of the file's blocks, not decoded), whose rows and
+concatenations are index arithmetic, and pack() writes those in C (csrc/kpack.c) straight from
+the blocks into the kernel's layout, the same bytes as pack(decode(...)). Where the C library is
+not built they decode and pack with numpy.
 """
 
 from __future__ import annotations
@@ -25,13 +29,28 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import Q4_K
+
+from carpool.model import cpu_kernels
 
 ROWS = 16  # output rows per block of the kernel's layout
 GROUP = 32  # input channels per group of the kernel's layout
 SUB = 16  # channels per sub-scale (sc, mn)
 _TINY = 1e-30  # as carpool.model.quant: the scale an all-equal group divides by
+
+
+@dataclass(frozen=True)
+class Form:
+    """What a weight's canonical form holds besides its values: code bits, offset, super-block
+    size, and which of sc, mn, dmin it has."""
+    bits: int
+    offset: int
+    super_size: int
+    sc: bool
+    mn: bool
+    dmin: bool
 
 
 @dataclass
@@ -58,6 +77,11 @@ class QuantCodes:
     def shape(self) -> tuple[int, int]:
         return self.q.shape
 
+    @property
+    def form(self) -> Form:
+        return Form(self.bits, self.offset, self.super_size, self.sc is not None, self.mn is not None,
+                    self.dmin is not None)
+
     def rows(self, index) -> QuantCodes:
         """The codes of the rows `index` (a slice, or indices in any order: a tensor-parallel
         shard of the output rows, or llama.cpp's Q/K row permutation undone)."""
@@ -68,13 +92,17 @@ class QuantCodes:
     def columns(self, start: int, stop: int) -> QuantCodes:
         """Input channels start .. stop (a row-parallel shard); both on super-block edges, as a
         super-block's scale cannot be split."""
+        _check_columns(self, start, stop)
         s = self.super_size
-        if start % s or stop % s or not 0 <= start < stop <= self.k:
-            raise ValueError(f"columns {start}:{stop} of a {self.n}x{self.k} weight must lie on "
-                             f"super-blocks of {s} channels")
         cut = lambda a, per: None if a is None else np.ascontiguousarray(a[:, start // per:stop // per])
         return replace(self, q=cut(self.q, 1), sc=cut(self.sc, SUB), mn=cut(self.mn, SUB), d=cut(self.d, s),
                        dmin=cut(self.dmin, s))
+
+
+def _check_columns(c: QuantCodes, start: int, stop: int) -> None:
+    if start % c.super_size or stop % c.super_size or not 0 <= start < stop <= c.k:
+        raise ValueError(f"columns {start}:{stop} of a {c.n}x{c.k} weight must lie on "
+                         f"super-blocks of {c.super_size} channels")
 
 
 # ---------------------------------------------------------------- decoding, per type
@@ -149,30 +177,27 @@ def _q8_0(b: np.ndarray):
     return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), None, None, _f16(b, 0), None
 
 
-# type: (decoder, bits, offset, super-block size)
+# type: (decoder, form)
 _TYPES = {
-    T.Q8_0: (_q8_0, 8, 128, 32),
-    T.Q4_0: (lambda b: _legacy(b, False, False), 4, 8, 32),
-    T.Q4_1: (lambda b: _legacy(b, True, False), 4, 0, 32),
-    T.Q5_0: (lambda b: _legacy(b, False, True), 5, 16, 32),
-    T.Q5_1: (lambda b: _legacy(b, True, True), 5, 0, 32),
-    T.Q2_K: (_q2_k, 4, 0, 256),
-    T.Q3_K: (_q3_k, 4, 4, 256),
-    T.Q4_K: (lambda b: _q45_k(b, False), 4, 0, 256),
-    T.Q5_K: (lambda b: _q45_k(b, True), 5, 0, 256),
-    T.Q6_K: (_q6_k, 6, 32, 256),
+    T.Q8_0: (_q8_0, Form(8, 128, 32, sc=False, mn=False, dmin=False)),
+    T.Q4_0: (lambda b: _legacy(b, False, False), Form(4, 8, 32, sc=False, mn=False, dmin=False)),
+    T.Q4_1: (lambda b: _legacy(b, True, False), Form(4, 0, 32, sc=False, mn=False, dmin=True)),
+    T.Q5_0: (lambda b: _legacy(b, False, True), Form(5, 16, 32, sc=False, mn=False, dmin=False)),
+    T.Q5_1: (lambda b: _legacy(b, True, True), Form(5, 0, 32, sc=False, mn=False, dmin=True)),
+    T.Q2_K: (_q2_k, Form(4, 0, 256, sc=True, mn=True, dmin=True)),
+    T.Q3_K: (_q3_k, Form(4, 4, 256, sc=True, mn=False, dmin=False)),
+    T.Q4_K: (lambda b: _q45_k(b, False), Form(4, 0, 256, sc=True, mn=True, dmin=True)),
+    T.Q5_K: (lambda b: _q45_k(b, True), Form(5, 0, 256, sc=True, mn=True, dmin=True)),
+    T.Q6_K: (_q6_k, Form(6, 32, 256, sc=True, mn=False, dmin=False)),
 }
 SUPPORTED = frozenset(_TYPES)
 
 
-def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
-    """A GGUF tensor's raw block bytes (GGUFReader's `tensor.data`, [N, row bytes] or flat; a
-    memmap is read, not copied whole) and its (N, K) -> its codes in canonical form."""
-    qtype = T(qtype)
+def _blocks(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> np.ndarray:
+    """A tensor's raw bytes as [N, row bytes], checked against its type and shape (no copy)."""
     if qtype not in _TYPES:
         raise ValueError(f"GGUF type {qtype.name} has no kq form; supported: "
                          f"{', '.join(t.name for t in _TYPES)}")
-    decoder, bits, offset, s = _TYPES[qtype]
     n, k = shape
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if k % block_size:
@@ -181,10 +206,21 @@ def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
     if blocks.size != n * k // block_size * type_size:
         raise ValueError(f"{blocks.size} bytes for a {n}x{k} {qtype.name} tensor; expected "
                          f"{n * k // block_size * type_size}")
-    q, sc, mn, d, dmin = decoder(blocks.reshape(-1, type_size))
+    return blocks.reshape(n, k // block_size * type_size)
+
+
+def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
+    """A GGUF tensor's raw block bytes (GGUFReader's `tensor.data`, [N, row bytes] or flat; a
+    memmap is read, not copied whole) and its (N, K) -> its codes in canonical form."""
+    qtype = T(qtype)
+    blocks = _blocks(data, qtype, shape)
+    decoder, f = _TYPES[qtype]
+    n, k = shape
+    q, sc, mn, d, dmin = decoder(blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
     per_row = lambda a, width: None if a is None else np.ascontiguousarray(a).reshape(n, width)
+    s = f.super_size
     return QuantCodes(q=per_row(q, k), sc=per_row(sc, k // SUB), mn=per_row(mn, k // SUB), d=per_row(d, k // s),
-                      dmin=per_row(dmin, k // s), super_size=s, offset=offset, bits=bits)
+                      dmin=per_row(dmin, k // s), super_size=s, offset=f.offset, bits=f.bits)
 
 
 def dequantize(c: QuantCodes) -> np.ndarray:
@@ -203,33 +239,122 @@ def dequantize(c: QuantCodes) -> np.ndarray:
     return w.reshape(n, k)
 
 
+def merged_form(forms: list[Form]) -> Form:
+    """The one form of weights stacked by rows (concat_rows): theirs where they agree, else the
+    widest codes, the smallest super-block, every sub-scale and a min term, and their offset if
+    they share one (else 0: the others are folded into the min term)."""
+    if len(set(forms)) == 1:
+        return forms[0]
+    offsets = {f.offset for f in forms}
+    return Form(bits=max(f.bits for f in forms), offset=offsets.pop() if len(offsets) == 1 else 0,
+                super_size=min(f.super_size for f in forms), sc=True, mn=True, dmin=True)
+
+
+def as_form(c: QuantCodes, form: Form) -> QuantCodes:
+    """c's values in `form` (its own, or a merged_form with c among its parts): a super-block's
+    factors repeat exactly over smaller ones, absent sub-scales are 1, and an offset the form
+    lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two)."""
+    if c.form == form:
+        return c
+    if not (form.sc and form.mn and form.dmin and form.bits >= c.bits and c.super_size % form.super_size == 0):
+        raise ValueError(f"a weight in {c.form} does not fit {form}")
+    n, k = c.shape
+    d = np.repeat(c.d, c.super_size // form.super_size, axis=1)
+    sc = np.ones((n, k // SUB), np.int8) if c.sc is None else c.sc
+    if c.dmin is not None:
+        dmin, mn = np.repeat(c.dmin, c.super_size // form.super_size, axis=1), np.ones_like(sc) if c.mn is None else c.mn
+    elif c.offset != form.offset:
+        if form.offset or c.offset & (c.offset - 1):
+            raise ValueError(f"offset {c.offset} cannot fold into a form with offset {form.offset}")
+        dmin, mn = (d.astype(np.float32) * c.offset).astype(np.float16), sc
+    else:
+        dmin, mn = np.zeros_like(d), np.zeros_like(sc)
+    return QuantCodes(q=c.q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=form.super_size, offset=form.offset,
+                      bits=form.bits)
+
+
+def _stacked(parts: list[QuantCodes], form: Form) -> QuantCodes:
+    parts = [as_form(p, form) for p in parts]
+    cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+    return QuantCodes(q=cat("q"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dmin=cat("dmin"),
+                      super_size=form.super_size, offset=form.offset, bits=form.bits)
+
+
 def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
     """Weights stacked by rows (the fused q/k/v or gate/up projections), in one form even when
-    their types differ (Q4_K_M files give v Q6_K, q and k Q4_K): the widest codes, the smallest
-    super-block (a super-block's factors repeat exactly over smaller ones), and an offset folded
-    into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two)."""
-    if len({(p.bits, p.offset, p.super_size, p.sc is None, p.mn is None, p.dmin is None) for p in parts}) == 1:
-        cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
-        return replace(parts[0], q=cat("q"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dmin=cat("dmin"))
-    s = min(p.super_size for p in parts)
-    offsets = {p.offset for p in parts}
-    out = []
-    for p in parts:
-        n, k = p.q.shape
-        d = np.repeat(p.d, p.super_size // s, axis=1)
-        sc = np.ones((n, k // SUB), np.int8) if p.sc is None else p.sc
-        if p.dmin is not None:
-            dmin, mn = np.repeat(p.dmin, p.super_size // s, axis=1), np.ones_like(sc) if p.mn is None else p.mn
-        elif p.offset and len(offsets) > 1:
-            if p.offset & (p.offset - 1):
-                raise ValueError(f"offset {p.offset} is not a power of two")
-            dmin, mn = (d.astype(np.float32) * p.offset).astype(np.float16), sc
-        else:
-            dmin, mn = np.zeros_like(d), np.zeros_like(sc)
-        out.append((p.q, sc, mn, d, dmin))
-    q, sc, mn, d, dmin = (np.concatenate(column) for column in zip(*out))
-    return QuantCodes(q=q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=s, offset=offsets.pop() if len(offsets) == 1 else 0,
-                      bits=max(p.bits for p in parts))
+    their types differ (Q4_K_M files give v Q6_K, q and k Q4_K): merged_form's. BlockCodes stay
+    blocks (their parts listed, nothing copied)."""
+    form = merged_form([p.form for p in parts])
+    if all(isinstance(p, BlockCodes) for p in parts):
+        return BlockCodes(tuple(part for p in parts for part in p.parts), parts[0].k, form)
+    return _stacked(parts, form)
+
+
+# ---------------------------------------------------------------- the file's blocks, not decoded
+
+@dataclass(frozen=True)
+class BlockRows:
+    """Rows of one GGUF tensor as the file holds them."""
+    blocks: np.ndarray  # uint8 [the tensor's rows, its row bytes] (a column cut is a strided view)
+    qtype: T
+    index: np.ndarray  # int64: which rows of `blocks`, in order
+
+
+class BlockCodes(QuantCodes):
+    """QuantCodes still in a GGUF file's blocks: rows of one or more tensors (the parts of a
+    fused projection), in `form`. Taking rows or stacking them is index arithmetic; pack() packs
+    them from the blocks in C. Reading a field (q, sc, ...) decodes them with numpy, once."""
+
+    def __init__(self, parts: tuple[BlockRows, ...], k: int, form: Form):
+        self.parts, self._k, self._form, self._decoded = parts, k, form, None
+
+    n = property(lambda self: sum(len(p.index) for p in self.parts))
+    k = property(lambda self: self._k)
+    shape = property(lambda self: (self.n, self._k))
+    form = property(lambda self: self._form)
+    bits = property(lambda self: self._form.bits)
+    offset = property(lambda self: self._form.offset)
+    super_size = property(lambda self: self._form.super_size)
+    q = property(lambda self: self.decoded().q)
+    sc = property(lambda self: self.decoded().sc)
+    mn = property(lambda self: self.decoded().mn)
+    d = property(lambda self: self.decoded().d)
+    dmin = property(lambda self: self.decoded().dmin)
+
+    def __repr__(self) -> str:
+        types = ", ".join(sorted({p.qtype.name for p in self.parts}))
+        return f"BlockCodes({self.n}x{self.k} {types}, {self._form})"
+
+    def decoded(self) -> QuantCodes:
+        """The codes, decoded by numpy (the reference; kept once made)."""
+        if self._decoded is None:
+            self._decoded = _stacked([decode(p.blocks[p.index], p.qtype, (len(p.index), self.k))
+                                      for p in self.parts], self._form)
+        return self._decoded
+
+    def rows(self, index) -> BlockCodes:
+        picked = np.arange(self.n)[index]
+        starts = np.cumsum([0] + [len(p.index) for p in self.parts])
+        which = np.searchsorted(starts, picked, side="right") - 1  # each row's part
+        cuts = np.flatnonzero(np.diff(which)) + 1
+        parts = tuple(replace(self.parts[w[0]], index=self.parts[w[0]].index[run - starts[w[0]]])
+                      for run, w in zip(np.split(picked, cuts), np.split(which, cuts)) if len(run))
+        return BlockCodes(parts, self.k, self._form)
+
+    def columns(self, start: int, stop: int) -> QuantCodes:
+        _check_columns(self, start, stop)
+        sizes = [GGML_QUANT_SIZES[p.qtype] for p in self.parts]
+        if any(start % block or stop % block for block, _ in sizes):
+            return self.decoded().columns(start, stop)  # the cut splits a block: decoded, it need not
+        return BlockCodes(tuple(replace(p, blocks=p.blocks[:, start // block * size:stop // block * size])
+                                for p, (block, size) in zip(self.parts, sizes)), stop - start, self._form)
+
+
+def from_blocks(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> BlockCodes:
+    """decode's arguments -> the tensor as BlockCodes: nothing decoded, nothing copied."""
+    qtype = T(qtype)
+    blocks = _blocks(data, qtype, shape)
+    return BlockCodes((BlockRows(blocks, qtype, np.arange(shape[0], dtype=np.int64)),), shape[1], _TYPES[qtype][1])
 
 
 def encode_q4_1(w: np.ndarray) -> QuantCodes:
@@ -275,16 +400,19 @@ def _row_blocks(a: np.ndarray) -> np.ndarray:
 
 
 def pack(c: QuantCodes) -> PackedCodes:
-    """Canonical codes -> the kernel's layout; padding rows get zero codes and scales.
+    """Canonical codes -> the kernel's layout; padding rows get zero codes and scales. BlockCodes
+    are packed from their blocks by csrc/kpack.c where the C library is built (the same bytes).
 
     lo[b, g, j, r, c] = (q[16b + r, 32g + 4j + c] & 15) | (q[16b + r, 32g + 16 + 4j + c] & 15) << 4,
     carpool.model.quant.pack_int4's layout. hi[b, g, p, j] (8 bytes) is a little-endian uint64
     whose bit i is bit 4 + p of the code lo[b, g, j % 4] holds at byte i (in its low nibble for
     j < 4, its high one for j >= 4): row 16b + i // 4, channel 32g + 16 (j // 4) + 4 (j % 4) + i % 4.
     sc, mn[b, g, u, r] = sc, mn[16b + r, 2g + u]; d, dmin[b, s, r] = d, dmin[16b + r, s]."""
-    n, k = c.q.shape
+    n, k = c.shape
     if k % GROUP:
         raise ValueError(f"the kernel layout needs K divisible by {GROUP}; got {k}")
+    if isinstance(c, BlockCodes) and cpu_kernels.library() is not None:
+        return _pack_blocks(c)
     g = k // GROUP
     rows = _row_blocks(c.q).reshape(-1, ROWS, g, 2, 16)  # [B, row, G, half, channel]
     b = rows.shape[0]
@@ -305,6 +433,26 @@ def pack(c: QuantCodes) -> PackedCodes:
         hi = np.ascontiguousarray(np.stack(planes, axis=2))
     return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
                        n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size)
+
+
+def _pack_blocks(c: BlockCodes) -> PackedCodes:
+    """pack() in C: each part's rows written from its blocks into zeroed arrays, in c's form."""
+    f, (n, k) = c.form, c.shape
+    b, g, supers = -(-n // ROWS), k // GROUP, k // f.super_size
+    planes = f.bits - 4 if 4 < f.bits < 8 else 0
+    zeros = lambda present, shape, dtype: np.zeros(shape, dtype) if present else None
+    p = PackedCodes(lo=np.zeros((b, g, 8 if f.bits == 8 else 4, ROWS, 4), np.uint8),
+                    hi=zeros(planes, (b, g, planes, 8, 8), np.uint8), sc=zeros(f.sc, (b, g, 2, ROWS), np.int8),
+                    mn=zeros(f.mn, (b, g, 2, ROWS), np.int8), d=np.zeros((b, supers, ROWS), np.float16),
+                    dmin=zeros(f.dmin, (b, supers, ROWS), np.float16), n=n, k=k, bits=f.bits, offset=f.offset,
+                    super_size=f.super_size)
+    tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
+    first = 0
+    for part in c.parts:
+        cpu_kernels.kq_pack(part.blocks, int(part.qtype), part.index, tensors, n, k, f.bits, f.offset,
+                            f.super_size, first)
+        first += len(part.index)
+    return p
 
 
 def unpack(p: PackedCodes) -> QuantCodes:

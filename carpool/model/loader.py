@@ -288,7 +288,7 @@ def gguf_weights(reader, config: ModelConfig, wanted: Callable[[str], bool] | No
         permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp's NeoX-RoPE models keep HF's order
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(parts[2]) if parts[0] == "blk" else None
         if keep_codes and len(shape) == 2 and t.tensor_type in gguf_codes.SUPPORTED:
-            codes = gguf_codes.decode(t.data, t.tensor_type, shape)
+            codes = gguf_codes.from_blocks(t.data, t.tensor_type, shape)
             if permuted and heads:
                 codes = codes.rows(unpermute_qk(np.arange(shape[0]), heads))
             yield name, codes

@@ -42,6 +42,24 @@ static inline float half_to_float(uint16_t h) {  /* IEEE fp16 -> fp32, exact */
     return f;
 }
 
+static inline uint16_t float_to_half(float f) {  /* fp32 -> IEEE fp16, to nearest even, as numpy's astype */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t exponent = (u >> 23) & 0xffu, mantissa = u & 0x7fffffu;
+    if (exponent == 0xffu)  /* inf; nan stays a quiet nan with its payload's top bits */
+        return (uint16_t)(sign | 0x7c00u | (mantissa ? 0x200u | (mantissa >> 13) : 0));
+    if (exponent > 142) return sign | 0x7c00u;  /* >= 2^16: inf */
+    if (exponent < 102) return sign;  /* < 2^-25: rounds to 0 */
+    uint32_t m = mantissa | 0x800000u, shift = 13;  /* the 24-bit significand, to 11 bits */
+    int32_t e = (int32_t)exponent - 112;  /* fp16's biased exponent */
+    if (e <= 0) shift += (uint32_t)(1 - e), e = 0;  /* subnormal */
+    const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    m >>= shift;
+    if (rest > half || (rest == half && (m & 1))) m++;  /* a carry moves into the exponent */
+    return (uint16_t)(sign + ((uint32_t)e << 10) + (e ? m - 0x400u : m));
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -137,6 +155,9 @@ int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const ui
 int kq_supported(void);
 int kq_gemm_supported(void);
 void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *out, int is_bf16);
+/* Rows of a GGUF tensor's blocks into `out`'s packed arrays (written through, zeroed by the caller). */
+int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t *rows, int64_t count,
+            const KQuantWeight *out, int64_t first_row, int num_threads);
 int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
               int64_t tile_from);
 int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,
