@@ -159,6 +159,17 @@ def _aliased(name: str, convert):
     return lambda text: convert(aliases.get(text, text))
 
 
+def _said(parse):
+    """A field's own parser, its ValueError shown as the error (argparse would print only
+    "invalid parse_x value"): e.g. which key of --speculative-config is wrong."""
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_flag
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, named as the field (as vLLM names them), with the help,
     short name, parser and choices its metadata holds; vLLM's sizes (32k) and value names
@@ -175,6 +186,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             continue
         if f.name in HUMAN_INTS:
             extras.setdefault("type", human_int)
+        elif "type" in extras:
+            extras["type"] = _said(extras["type"])
         if "type" not in extras:
             extras["type"] = _SCALARS[f.type.split(" | ")[0]]
         if f.name in ALIASES:

@@ -52,7 +52,7 @@ from carpool.server.engine_client import (
     RequestFailedError,
     RequestRejectedError,
 )
-from carpool.server.metrics import ServerMetrics, StatsLog
+from carpool.server.metrics import ServerMetrics, StatsLog, num_speculative_tokens
 from carpool.server.options import ServerOptions
 
 log = logging.getLogger("carpool.server")
@@ -261,7 +261,8 @@ class AsyncLLMEngine:
         metrics as the server's options say (EngineProcess.for_server is the other kind)."""
         metrics = ServerMetrics(options.model_names(engine.config.model)[0], engine.max_model_len,
                                 namespace=options.metrics_namespace,
-                                stats_log=None if options.disable_log_stats else StatsLog())
+                                stats_log=None if options.disable_log_stats else StatsLog(),
+                                num_speculative_tokens=num_speculative_tokens(engine))
         metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
         return cls(engine, options.max_waiting_requests, metrics=metrics)
 

@@ -47,7 +47,7 @@ from carpool.server.engine_client import (
     EngineInfo,
     EngineOverloadedError,
 )
-from carpool.server.metrics import ServerMetrics, StatsLog
+from carpool.server.metrics import ServerMetrics, StatsLog, num_speculative_tokens
 from carpool.server.options import ServerOptions
 from carpool.server.startup import freeze_startup_objects
 from carpool.structured import StructuredOutputs
@@ -157,7 +157,8 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
         raise
     try:
         metrics = ServerMetrics(model_name, engine.max_model_len, namespace=metrics_namespace,
-                                stats_log=StatsLog() if log_stats else None)
+                                stats_log=StatsLog() if log_stats else None,
+                                num_speculative_tokens=num_speculative_tokens(engine))
         metrics.set_cache_config(engine.block_manager.num_blocks, engine.block_manager.block_size)
         core = _EngineCore(engine, conn, metrics)
         conn.send(("ready", EngineInfo.of(engine)))

@@ -10,6 +10,13 @@ request's gap between two consecutive output tokens exceeds STALL_FACTOR (5) tim
 iteration time of the last STALL_WINDOW (256) iterations. Those are the user-visible hiccups
 that Sarathi-Serve's stall-free batching aims to remove (a long prefill or a preemption
 recompute landing between two decodes). No stall is counted before MIN_HISTORY iterations.
+
+Speculative decoding (`--speculative-config`): vLLM's four spec_decode counters, registered only
+when the engine speculates (as vLLM registers them only with a speculative config), so a server
+without speculation shows no always-zero series. They follow the engine's `SpecDecodeStats`
+totals (carpool/spec/acceptance.py): verifications that had drafts, draft tokens scored, drafts
+kept, and drafts kept at each position (label `position`, 0 = the first draft). Acceptance rate
+is accepted / draft tokens; tokens per verification is 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ LOG_STATS_INTERVAL = 10.0  # seconds between two stats lines, as vLLM's default
 class StatsLog:
     """A line in the log every `interval` seconds while the engine works, as vLLM logs one:
     throughputs, queue lengths, cache use and step times; with --target-tbt-ms, how the
-    SLO policy's plans fared (its fit's margin and the steps that ran over the target)."""
+    SLO policy's plans fared (its fit's margin and the steps that ran over the target); with
+    --speculative-config, how many of the interval's draft tokens verification kept."""
 
     def __init__(self, interval: float = LOG_STATS_INTERVAL, clock=time.monotonic):
         self.interval = interval
@@ -60,13 +68,17 @@ class StatsLog:
         self._durations: list[float] = []
         self._prompt_tokens = self._generated_tokens = 0
         self._prefix: tuple[int, int] | None = None  # the scheduler's prefix-cache queries and hits at the last line
+        self._spec: tuple[int, int, int] | None = None  # the engine's drafts, draft tokens, accepted at the last line
 
     def on_step(self, engine, stats, num_generated: int) -> str | None:
         """Count a step; returns (and logs) the line when one is due. A line covers the time
         since the first step after the last line, so an idle spell does not dilute its rates."""
         sched = engine.scheduler
+        speculating = getattr(engine, "spec_config", None) is not None
         if self._prefix is None:
             self._prefix = (sched.prefix_cache_queries, sched.prefix_cache_hits)
+        if self._spec is None and speculating:
+            self._spec = self._spec_totals(engine)
         if not self._durations:
             self._since = max(self._since, self.clock() - (stats.duration if stats is not None else 0.0))
         if stats is not None:
@@ -88,11 +100,36 @@ class StatsLog:
         if target is not None:
             over = sum(x > target for x in d)
             line += f"; target {1e3 * target:.0f} ms: {over} steps over it, fit margin {sched.cost.margin:.2f}x"
+        if speculating:
+            totals = self._spec_totals(engine)
+            line += "; " + self._spec_line(*(t - seen for t, seen in zip(totals, self._spec)))
+            self._spec = totals
         log.info("%s", line)
         self._since, self._durations = now, []
         self._prompt_tokens = self._generated_tokens = 0
         self._prefix = (sched.prefix_cache_queries, sched.prefix_cache_hits)
         return line
+
+    @staticmethod
+    def _spec_totals(engine) -> tuple[int, int, int]:
+        s = engine.spec_stats
+        return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+    @staticmethod
+    def _spec_line(drafts: int, draft_tokens: int, accepted: int) -> str:
+        """Acceptance over the interval; tokens per verification counts the token each
+        verification samples itself, as vLLM's mean acceptance length does."""
+        if not draft_tokens:
+            return "spec decode: no draft tokens"
+        return (f"spec decode: {100 * accepted / draft_tokens:.1f}% of {draft_tokens} draft tokens accepted, "
+                f"{1 + accepted / drafts:.1f} tokens per verification")
+
+
+def num_speculative_tokens(engine) -> int:
+    """The engine's draft length, 0 when it does not speculate: ServerMetrics registers the
+    spec_decode counters, one per-position series per draft place, only when it is not 0."""
+    spec = engine.spec_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def buckets_1_2_5(maximum: int) -> list[int]:
@@ -110,7 +147,7 @@ class ServerMetrics:
     FINISH_REASONS = ("stop", "length", "abort", "error")
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 namespace: str = "carpool", stats_log: StatsLog | None = None):
+                 namespace: str = "carpool", stats_log: StatsLog | None = None, num_speculative_tokens: int = 0):
         self.stats_log = stats_log
         if namespace not in NAMESPACES:
             raise ValueError(f"metrics namespace must be one of {NAMESPACES}, not {namespace!r}")
@@ -168,9 +205,23 @@ class ServerMetrics:
         # As vLLM's cache_config_info: the KV cache's size, so that usage converts to blocks.
         self.cache_config_info = Gauge(PREFIX + "cache_config_info", "KV cache configuration (labels).",
                                        ["num_gpu_blocks", "block_size"], registry=r)
+
+        # Only when the engine speculates (num_speculative_tokens: its config's draft length).
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = None
+        self.spec_accepted_per_pos: list = []
+        if num_speculative_tokens:
+            self.spec_drafts = counter("spec_decode_num_drafts", "Verifications that scored at least one draft.")
+            self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored by the model.")
+            self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                         "Draft tokens kept (equal to the token sampled at their place).")
+            per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens kept at each position of a draft (0 = the first).",
+                              ["model_name", "position"], registry=r)
+            self.spec_accepted_per_pos = [per_pos.labels(name, str(i)) for i in range(num_speculative_tokens)]
         self._durations: deque[float] = deque(maxlen=STALL_WINDOW)
         self._seen_preemptions: int | None = None
         self._seen_prefix = (0, 0)  # scheduler's prefix-cache queries and hits already counted
+        self._seen_spec = (0, 0, 0, [])  # engine's spec_stats already counted
 
     # ------------------------------------------------------------ engine thread
     def set_cache_config(self, num_blocks: int, block_size: int) -> None:
@@ -193,6 +244,19 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(max(0, queries - self._seen_prefix[0]))
         self.prefix_cache_hits.inc(max(0, hits - self._seen_prefix[1]))
         self._seen_prefix = (queries, hits)
+        if self.spec_drafts is not None:
+            self._update_spec(engine.spec_stats)
+
+    def _update_spec(self, stats) -> None:
+        """The spec_decode counters follow the engine's totals, as the prefix-cache ones do."""
+        drafts, draft_tokens, accepted, per_pos = self._seen_spec
+        self.spec_drafts.inc(max(0, stats.num_drafts - drafts))
+        self.spec_draft_tokens.inc(max(0, stats.num_draft_tokens - draft_tokens))
+        self.spec_accepted.inc(max(0, stats.num_accepted_tokens - accepted))
+        for i, total in enumerate(stats.accepted_per_position[:len(self.spec_accepted_per_pos)]):
+            self.spec_accepted_per_pos[i].inc(max(0, total - (per_pos[i] if i < len(per_pos) else 0)))
+        self._seen_spec = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_position))
 
     def stall_threshold(self) -> float | None:
         if len(self._durations) < MIN_HISTORY:

@@ -8,9 +8,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from carpool.config import SpeculativeConfig
 from carpool.engine import IterationStats
 from carpool.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from carpool.server.metrics import MIN_HISTORY, STALL_FACTOR, ServerMetrics, StatsLog
+from carpool.spec.acceptance import SpecDecodeStats
 from tests.server.conftest import metric_sample
 
 
@@ -127,3 +129,60 @@ def test_a_stats_line_every_interval_while_busy(caplog):
     assert log.on_step(engine, IterationStats(now[0] - 0.3, 0.3, 0, 3, 3, 0), 3) == (
         "0.0 prompt tokens/s, 0.6 generated tokens/s, running 3, waiting 1, KV cache 50.0%, prefix cache hits "
         "0.0%; 2 steps, p50 300.0 ms, max 300.0 ms; target 250 ms: 2 steps over it, fit margin 1.10x")
+
+
+def spec_engine(num_speculative_tokens=3, **kwargs):
+    engine = fake_engine(**kwargs)
+    engine.spec_config = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens)
+    engine.spec_stats = SpecDecodeStats()
+    return engine
+
+
+def test_spec_decode_counters_only_when_the_engine_speculates():
+    plain = {f.name for f in text_string_to_metric_families(ServerMetrics("m", 2048).render()[0].decode())}
+    assert not [name for name in plain if "spec_decode" in name]
+    m = ServerMetrics("m", 2048, namespace="vllm", num_speculative_tokens=3)
+    families = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
+    for name in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"):
+        assert families[f"vllm:spec_decode_num_{name}"].type == "counter"
+    per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(s.labels["position"], s.value) for s in per_pos] == [("0", 0.0), ("1", 0.0), ("2", 0.0)]
+
+
+def test_spec_decode_counters_follow_the_engine():
+    m = ServerMetrics("m", 2048, num_speculative_tokens=3)
+    engine = spec_engine()
+    engine.spec_stats.record(3, 2)
+    engine.spec_stats.record(2, 0)
+    m.on_step(engine, [], stats(0.01))
+    engine.spec_stats.record(3, 3)
+    m.on_step(engine, [], stats(0.01))
+    m.on_step(engine, [], stats(0.01))  # nothing new: nothing counted twice
+    assert sample(m, "carpool:spec_decode_num_drafts_total") == 3
+    assert sample(m, "carpool:spec_decode_num_draft_tokens_total") == 8
+    assert sample(m, "carpool:spec_decode_num_accepted_tokens_total") == 5
+    per_pos = [sample(m, "carpool:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
+    assert per_pos == [2, 2, 1]
+
+
+def test_the_stats_line_says_how_drafts_fared(caplog):
+    caplog.set_level("INFO", logger="carpool")
+    now = [0.0]
+    log = StatsLog(interval=10.0, clock=lambda: now[0])
+    engine = spec_engine(running=1)
+    engine.spec_stats.record(4, 4)  # before the first step: not this line's
+    for drafts, kept in [(0, 0), (4, 3), (4, 0)]:  # 4 s steps: the third one is due a line
+        now[0] += 4.0
+        engine.spec_stats.record(drafts, kept)
+        line = log.on_step(engine, IterationStats(now[0] - 4.0, 4.0, 0, 1 + drafts, 1, 0), 1 + kept)
+    assert line == ("0.0 prompt tokens/s, 0.5 generated tokens/s, running 1, waiting 0, KV cache 0.0%, prefix cache "
+                    "hits 0.0%; 3 steps, p50 4000.0 ms, max 4000.0 ms; spec decode: 37.5% of 8 draft tokens "
+                    "accepted, 2.5 tokens per verification")
+    assert line in caplog.text
+    now[0] += 20.0
+    engine.spec_stats.record(2, 2)
+    assert log.on_step(engine, IterationStats(now[0] - 20.0, 20.0, 0, 3, 1, 0), 3).endswith(
+        "; spec decode: 100.0% of 2 draft tokens accepted, 3.0 tokens per verification")
+    now[0] += 20.0
+    assert log.on_step(engine, IterationStats(now[0] - 20.0, 20.0, 0, 1, 1, 0), 1).endswith(
+        "; spec decode: no draft tokens")
