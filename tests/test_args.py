@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from carpool import config
 from carpool.args import NOT_FLAGS, add_engine_args, engine_config_from_args
-from carpool.config import SCHEDULER_NAMES, EngineConfig
+from carpool.config import SCHEDULER_NAMES, EngineConfig, SpeculativeConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -75,3 +76,30 @@ def test_config_names_the_schedulers_without_importing_them():
     assert {m for m in imported if m.startswith("carpool")} == {"carpool.model"}
     with pytest.raises(ValueError, match="unknown scheduler"):
         EngineConfig(model="m.gguf", scheduler="nope")
+
+
+def test_speculative_config_is_vllms_json():
+    config = engine_config_from_args(parse(
+        "--model", "m.gguf", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4}'))
+    assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                                          prompt_lookup_max=4)
+    assert engine_config_from_args(parse("--model", "m.gguf")).speculative_config is None
+    draft = engine_config_from_args(parse("--model", "m.gguf", "--speculative-config", '{"model": "d.gguf"}'))
+    assert (draft.speculative_config.method, draft.speculative_config.model) == ("draft_model", "d.gguf")
+
+
+@pytest.mark.parametrize("value, said", [
+    ("{method: ngram}", "not valid JSON"),
+    ('{"method": "eagle"}', "unknown method 'eagle'"),
+    ('{"method": "ngram", "num_speculative_token": 5}', "unknown keys ['num_speculative_token']"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in [1, 32]"),
+    ("[5]", "must be a JSON object"),
+])
+def test_a_bad_speculative_config_is_an_argparse_error_that_says_why(value, said, capsys):
+    with pytest.raises(SystemExit):
+        parse("--speculative-config", value)
+    err = capsys.readouterr().err
+    assert "argument --speculative-config: speculative_config" in err and said in err
+    with pytest.raises(ValueError, match=re.escape(said)):
+        EngineConfig(model="m.gguf", speculative_config=value)

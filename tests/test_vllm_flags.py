@@ -12,6 +12,7 @@ import pytest
 
 from carpool import args as vllm_args
 from carpool.cli import build_parser, cmd_serve, engine_config, parse_args
+from carpool.config import SpeculativeConfig
 from carpool.server.options import ServerOptions
 
 FLAGS_FILE = Path(__file__).parent / "data" / "vllm_serve_flags.txt"
@@ -110,3 +111,18 @@ def test_underscores_and_config_files(tmp_path):
 
 def test_cmd_serve_is_what_main_runs():
     assert parse_args(["serve", "m.gguf"]).func is cmd_serve
+
+
+def test_speculative_config_is_honoured_and_the_old_flags_point_at_it(caplog):
+    caplog.set_level(logging.WARNING, logger="carpool")
+    warnings, config = warnings_for(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                     '"prompt_lookup_max": 4}'], caplog)
+    assert warnings == []
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=4)
+    for argv in (["--speculative-model", "ngram"], ["--num-speculative-tokens", "5"],
+                 ["--ngram-prompt-lookup-max", "4"], ["--ngram-prompt-lookup-min", "1"]):
+        warnings, config = warnings_for(argv, caplog)
+        assert len(warnings) == 1 and "--speculative-config" in warnings[0], (argv, warnings)
+        assert config.speculative_config is None
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m.gguf", "--speculative-config", '{"method": "medusa"}'])
