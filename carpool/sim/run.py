@@ -3,11 +3,13 @@ simulated deployment instead of the engine.
 
 The simulation's requests carry the same timestamps the engine records, so they go through
 `carpool.harness.metrics` exactly as a real run does. Iteration records are the micro-batches
-(start at stage 0, end at the last stage).
+(start at stage 0, end at the last stage). With speculative decoding on (`--spec-tokens`), each
+scheduler's entry also holds the spec_decode counters the engine keeps.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict
@@ -17,6 +19,7 @@ from carpool.core.cost_profile import ProfiledCostModel
 from carpool.core.step_cost import BatchShape, CostModel
 from carpool.harness.capacity import Evaluation, parse_slo, search_capacity
 from carpool.harness.metrics import IterationRecord, RequestTimeline, summarize, write_report
+from carpool.harness.options import nonneg_float, nonneg_int
 from carpool.harness.workload import PromptSource, WorkloadConfig, build_workload, describe
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 from carpool.sim.simulator import ReplicaConfig, SimResult, simulate
@@ -49,7 +52,9 @@ def chrome_trace(result: SimResult) -> dict:
                            "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
                            "pid": mb.replica, "tid": s,
                            "args": {"prefill_tokens": mb.batch.num_prefill_tokens,
-                                    "decode_tokens": mb.batch.num_decode_tokens, "requests": len(mb.batch)}})
+                                    "decode_tokens": mb.batch.num_decode_tokens,
+                                    "draft_tokens": mb.batch.num_draft_tokens, "accepted_drafts": mb.num_accepted,
+                                    "requests": len(mb.batch)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -61,6 +66,20 @@ def pipeline_report(result: SimResult) -> dict:
             "stage_busy_s": result.stage_busy,
             "makespan_s": result.makespan,
             "request_pipeline_wait_p50_s": float(np.median(waits)) if waits else None}
+
+
+def spec_report(result: SimResult) -> dict:
+    """Speculation's counters, as the engine's spec_decode metrics name them; drafts scored per
+    step; and tokens each decode produced (its own token and the drafts kept; 1 without drafts)."""
+    stats = result.spec
+    steps = len(result.micro_batches)
+    decodes = sum(mb.batch.num_decode_tokens for mb in result.micro_batches)
+    return {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_verification": stats.mean_acceptance_length,
+            "accepted_per_position": stats.accepted_per_position,
+            "draft_tokens_per_step": stats.num_draft_tokens / steps if steps else 0.0,
+            "tokens_per_decode": (decodes + stats.num_accepted_tokens) / decodes if decodes else None}
 
 
 def prefix_cache_report(summary) -> dict:
@@ -114,7 +133,8 @@ def run_simulate(args) -> dict:
         cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                             block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                             enable_prefix_caching=args.enable_prefix_caching, target_tbt=target_tbt,
-                            snap_chunks=args.snap_chunks)
+                            snap_chunks=args.snap_chunks, num_speculative_tokens=args.spec_tokens,
+                            spec_acceptance=args.spec_acceptance, spec_seed=args.seed)
         result = simulate(specs, cfg, cost, num_replicas=args.replicas)
         return result, timelines(result), iterations(result)
 
@@ -136,11 +156,19 @@ def run_simulate(args) -> dict:
         entry = {"summary": summary.to_dict(), "pipeline": pipeline_report(result),
                  "simulated_in_s": time.perf_counter() - t0}
         entry["prefix_cache"] = prefix_cache_report(summary)
+        if result.spec is not None:
+            entry["spec_decode"] = spec_report(result)
         print(f"{spec.label}: {len(tl)} requests in {entry['simulated_in_s']:.2f} s wall; "
               f"TTFT p50 {summary.ttft.p50:.3f} s, TBT p99 {summary.tbt.p99:.4f} s, "
               f"bubble fraction {entry['pipeline']['bubble_fraction']:.3f}, "
               f"prefill tokens computed per request {entry['prefix_cache']['prefill_tokens_per_request']:.0f} "
               f"({entry['prefix_cache']['cached_prompt_tokens']} prompt tokens from the prefix cache)")
+        if "spec_decode" in entry:
+            sd = entry["spec_decode"]
+            show = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+            print(f"  speculation: {sd['num_draft_tokens']} draft tokens, acceptance {show(sd['acceptance_rate'])}, "
+                  f"{show(sd['tokens_per_verification'])} tokens per verification, "
+                  f"{show(sd['tokens_per_decode'])} per decode")
         for slo_name in [s for s in args.capacity or [] if spec.slo in (None, s)]:
             slo = parse_slo(slo_name, ref)
 
@@ -175,9 +203,21 @@ def run_simulate(args) -> dict:
     return report
 
 
-def add_simulate_args(p) -> None:
-    import argparse
+def spec_tokens(text: str) -> int:
+    n = nonneg_int(text)
+    if n > 32:
+        raise argparse.ArgumentTypeError(f"takes 0 (off) to 32 drafts, as the engine, got {text}")
+    return n
 
+
+def probability(text: str) -> float:
+    a = nonneg_float(text)
+    if a > 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return a
+
+
+def add_simulate_args(p) -> None:
     from carpool.harness.options import add_workload_args, positive_float, positive_int, scheduler_list
 
     g = p.add_argument_group("deployment")
@@ -208,6 +248,11 @@ def add_simulate_args(p) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=8192)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the replicas' block managers cache prompt prefixes, as the engine's do (default: on)")
+    g.add_argument("--spec-tokens", type=spec_tokens, default=0,
+                   help="speculative decoding: up to this many drafts per decode, as the engine's "
+                        "num_speculative_tokens (default 0: off)")
+    g.add_argument("--spec-acceptance", type=probability, default=0.7,
+                   help="with --spec-tokens: the chance verification keeps each draft, given it kept the ones before")
     g = p.add_argument_group("run")
     g.add_argument("--qps", type=positive_float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

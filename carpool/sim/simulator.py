@@ -12,12 +12,20 @@ Prefix caching runs for real too: requests carry token ids (a workload's, or for
 ids unique to the request), generated tokens are 0s, and follow-up turns of a conversation
 arrive after their previous turn finished, with its prompt and answer in front; so hit rates,
 and the prefill the cache saves, are the block manager's own.
+
+Speculative decoding (carpool/spec) runs with the engine's rules and a drawn verification: after
+each step a request that sampled is offered drafts as the engine offers them (its acceptance
+record, its max_tokens and the context), the scheduler grants them from what the budget leaves,
+and the cost model prices them as chunk tokens. Verification keeps draft j with probability
+`spec_acceptance` given that the ones before it were kept (a seeded draw), so the number kept
+follows a geometric law cut at the number scored.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +34,7 @@ from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
 from carpool.core.step_cost import BatchShape, CostModel, seeded_step_cost
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from carpool.spec.acceptance import SpecDecodeStats, SpecState, draft_room
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,11 @@ class ReplicaConfig:
     target_tbt: float | None = None
     snap_chunks: bool = True  # ... and snap chunks to sizes the cost model runs fastest
     seed_fit: bool = False  # ... and seed its fit from the cost model, as the engine's --cost-profile does
+    # speculative decoding: up to this many drafts per decode (0: off), each kept with probability
+    # spec_acceptance when the drafts before it were; spec_seed seeds the draws
+    num_speculative_tokens: int = 0
+    spec_acceptance: float = 0.0
+    spec_seed: int = 0
 
 
 @dataclass
@@ -62,6 +76,7 @@ class MicroBatch:
     stage_end: list[float]
     waited: float  # time spent ready for a stage that was still busy with an earlier micro-batch
     free_blocks: int  # KV blocks free right after this batch was scheduled
+    num_accepted: int = 0  # drafts that verification kept, once it has returned
 
     @property
     def start(self) -> float:
@@ -80,6 +95,8 @@ class SimResult:
     makespan: float
     unfinished: int
     request_pipeline_wait: dict[str, float] = field(default_factory=dict)
+    spec: SpecDecodeStats | None = None  # with speculative decoding: its counters, all replicas
+    block_managers: list[BlockManager] = field(default_factory=list)  # per replica, as they ended
 
     def bubble_fraction(self) -> float:
         """Idle stage-time over total stage-time, between each replica's first and last work."""
@@ -89,7 +106,8 @@ class SimResult:
 
 
 class Replica:
-    def __init__(self, index: int, config: ReplicaConfig, cost_model: CostModel, clock):
+    def __init__(self, index: int, config: ReplicaConfig, cost_model: CostModel, clock,
+                 spec_stats: SpecDecodeStats | None = None):
         self.index = index
         self.config = config
         self.cost = cost_model
@@ -107,6 +125,8 @@ class Replica:
         self.stage_free = [0.0] * self.num_stages
         self.stage_busy = [0.0] * self.num_stages
         self.in_flight: list[MicroBatch] = []
+        self.spec_stats = spec_stats if spec_stats is not None else SpecDecodeStats()
+        self.rng = random.Random(f"{config.spec_seed}:{index}")  # verification draws
 
     @property
     def outstanding(self) -> int:
@@ -143,12 +163,45 @@ class Replica:
         now = mb.end
         self.scheduler.observe(mb.batch, mb.end - mb.start)  # as the engine reports a step's time
         finished = []
-        for r in self.scheduler.commit(mb.batch):
-            r.append_token(0, now)
-            if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= self.config.max_model_len:
-                self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
-                finished.append(r)
+        ready = self.scheduler.commit(mb.batch)
+        for r, drafts in zip(ready, mb.batch.drafts_of(ready)):
+            # as the engine's _emit: each token appended, then the next draft accepted if kept
+            kept, accepted = self.num_kept(len(drafts)), 0
+            while True:
+                r.append_token(0, now)
+                if r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= self.config.max_model_len:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+                    finished.append(r)
+                    break
+                if accepted == kept:
+                    break
+                self.scheduler.accept_draft(r)
+                accepted += 1
+            if drafts:
+                self.spec_stats.record(len(drafts), accepted)
+                r.spec.observe(len(drafts), accepted)
+                self.scheduler.end_verification(r)
+                mb.num_accepted += accepted
+        self.propose([r for r in ready if r.status is RequestStatus.RUNNING])
         return finished
+
+    def num_kept(self, num_drafts: int) -> int:
+        """Drafts verification keeps: each while a uniform draw falls under the acceptance."""
+        kept = 0
+        while kept < num_drafts and self.rng.random() < self.config.spec_acceptance:
+            kept += 1
+        return kept
+
+    def propose(self, requests: list[Request]) -> None:
+        """Drafts for the next step, as many as the engine's _propose would ask for (their
+        tokens are 0s like every generated token here; only their number matters)."""
+        k = self.config.num_speculative_tokens
+        if not k:
+            return
+        for r in requests:
+            if r.spec is None:
+                r.spec = SpecState()
+            r.spec_token_ids = [0] * max(min(r.spec.draft_limit(k), draft_room(r, self.config.max_model_len)), 0)
 
 
 def prompt_ids(i: int, w: Any) -> list[int]:
@@ -163,6 +216,9 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
     outstanding requests (ties: lowest index). Items with a `parent` (a workload index, see
     `carpool.harness.workload.RequestSpec`) are follow-up turns: they arrive `arrival_time` after
     that request finished, its prompt and output in front of their own tokens."""
+    if not 0 <= config.num_speculative_tokens <= 32 or not 0.0 <= config.spec_acceptance <= 1.0:
+        raise ValueError(f"speculation needs 0 <= num_speculative_tokens <= 32 and an acceptance in [0, 1], got "
+                         f"{config.num_speculative_tokens} and {config.spec_acceptance}")
     for i, w in enumerate(workload):
         if w.prompt_len < 1 or w.output_len < 1:
             raise ValueError(f"request {i}: prompt and output lengths must be >= 1, got {w}")
@@ -171,7 +227,8 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
                              f"{config.max_model_len}")
     clock_now = [0.0]
     clock = lambda: clock_now[0]  # noqa: E731
-    replicas = [Replica(i, config, cost_model, clock) for i in range(num_replicas)]
+    spec_stats = SpecDecodeStats()
+    replicas = [Replica(i, config, cost_model, clock, spec_stats) for i in range(num_replicas)]
     position = {getattr(w, "index", i): i for i, w in enumerate(workload)}
     followups: dict[int, list[int]] = {}
     for i, w in enumerate(workload):
@@ -233,5 +290,7 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
         makespan=max(end - start, 0.0) if micro_batches else 0.0,
         unfinished=sum(rep.outstanding for rep in replicas),
         request_pipeline_wait=waits,
+        spec=spec_stats if config.num_speculative_tokens else None,
+        block_managers=[rep.block_manager for rep in replicas],
     )
 

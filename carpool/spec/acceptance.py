@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from carpool.request import Request
+
 MIN_REACH = 0.25
 PRIOR = 0.6  # a new request's acceptance: two drafts to start with
 RATE = 0.3  # weight of each new observation in the average
@@ -74,3 +76,10 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float | None:
         """Tokens each verification produced, its own sampled token included (vLLM's measure)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+def draft_room(request: Request, max_model_len: int) -> int:
+    """The most drafts a request may be offered: the step that verifies k drafts adds up to k + 1
+    tokens, and they must fit its max_tokens and the context (the engine and the simulator ask)."""
+    return min(request.sampling_params.max_tokens - request.num_output_tokens,
+               max_model_len - request.num_tokens) - 1
