@@ -22,6 +22,10 @@
 
 #include "kernels.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define PACK_ROWS 16
 #define PACK_GROUP 32
 
@@ -77,7 +81,8 @@ static inline void crumbs(const uint8_t *x, uint8_t *q) {
 
 /* Bit i / 32 of byte i % 32 into bit `shift` of code i (Q3_K's hmask, Q5_K's qh). */
 static inline void bit_rows(const uint8_t *x, uint8_t *q, int shift) {
-    for (int i = 0; i < 256; i++) q[i] |= (uint8_t)(((x[i % 32] >> (i / 32)) & 1) << shift);
+    for (int b = 0; b < 8; b++)
+        for (int l = 0; l < 32; l++) q[32 * b + l] |= (uint8_t)(((x[l] >> b) & 1) << shift);
 }
 
 static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
@@ -138,6 +143,19 @@ static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
     }
 }
 
+/* Bit `bit` (4..7) of 32 codes, code i's at bit i. */
+static inline uint32_t code_bits(const uint8_t *q, int bit) {
+#if defined(__AVX2__)
+    /* 16-bit shifts: a byte's bit 7 comes from its own bits (the shift is at most 3) */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    return (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - bit)));
+#else
+    uint32_t out = 0;
+    for (int i = 0; i < 32; i++) out |= (uint32_t)((q[i] >> bit) & 1) << i;
+    return out;
+#endif
+}
+
 /* Codes of one row's group of 32 channels into the block's layout at row r: lo (4-bit plane or,
    for 8 bits, the bytes) and the bit planes 4.. of hi, OR-ed in (other rows share its bytes). */
 static inline void write_group(const uint8_t *q, int r, int bits, uint8_t *lo, uint8_t *hi) {
@@ -148,12 +166,10 @@ static inline void write_group(const uint8_t *q, int r, int bits, uint8_t *lo, u
     for (int j = 0; j < 4; j++)
         for (int c = 0; c < 4; c++)
             lo[64 * j + 4 * r + c] = (uint8_t)((q[4 * j + c] & 15) | (q[16 + 4 * j + c] & 15) << 4);
-    for (int p = 0; p < bits - 4; p++)  /* mask j, bit 4r + c: channel 4j + c */
-        for (int j = 0; j < 8; j++) {
-            int nibble = 0;
-            for (int c = 0; c < 4; c++) nibble |= ((q[4 * j + c] >> (4 + p)) & 1) << c;
-            hi[64 * p + 8 * j + r / 2] |= (uint8_t)(nibble << (4 * (r & 1)));
-        }
+    for (int p = 0; p < bits - 4; p++) {  /* mask j, bit 4r + c: channel 4j + c */
+        const uint32_t plane = code_bits(q, 4 + p);
+        for (int j = 0; j < 8; j++) hi[64 * p + 8 * j + r / 2] |= (uint8_t)(((plane >> (4 * j)) & 15) << (4 * (r & 1)));
+    }
 }
 
 /* d * offset in fp16 (offset a power of two): exact, or inf past fp16's range. */
