@@ -158,3 +158,28 @@ def test_engine_arguments_are_mapped_or_ignored_with_a_warning(caplog):
                            max_num_seqs=8)
     assert config.kv_cache_memory == 1 << 20 and config.max_num_seqs == 8
     assert any("swap_space" in m for m in caplog.messages) and any("no_such_argument" in m for m in caplog.messages)
+
+
+REPEATING = ", ".join(map(str, range(1, 41))) + "\n" + ", ".join(map(str, range(1, 21))) + ","
+
+
+def test_speculative_config_keeps_greedy_output(llm, model_path):
+    """vLLM's `LLM(speculative_config=...)`: n-gram drafts from the prompt's own repetition are
+    scored and kept, and greedy output is the output of the same engine without them."""
+    spec = LLM(model=model_path, dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=64 << 20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    prompts = [REPEATING, "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[0].outputs[0].text.startswith(" 21, 22, 23")
+    stats = spec.llm_engine.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert llm.llm_engine.spec_stats.num_drafts == 0
+
+
+@pytest.mark.parametrize("bad", ['{"method": "eagle"}', {"method": "eagle"}, "{not json", {"num_speculative_tokens": 0}])
+def test_a_bad_speculative_config_is_a_value_error(bad, model_path):
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(model=model_path, speculative_config=bad)
