@@ -262,7 +262,8 @@ def as_form(c: QuantCodes, form: Form) -> QuantCodes:
     d = np.repeat(c.d, c.super_size // form.super_size, axis=1)
     sc = np.ones((n, k // SUB), np.int8) if c.sc is None else c.sc
     if c.dmin is not None:
-        dmin, mn = np.repeat(c.dmin, c.super_size // form.super_size, axis=1), np.ones_like(sc) if c.mn is None else c.mn
+        dmin = np.repeat(c.dmin, c.super_size // form.super_size, axis=1)
+        mn = np.ones_like(sc) if c.mn is None else c.mn
     elif c.offset != form.offset:
         if form.offset or c.offset & (c.offset - 1):
             raise ValueError(f"offset {c.offset} cannot fold into a form with offset {form.offset}")

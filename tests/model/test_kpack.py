@@ -16,7 +16,7 @@ from carpool.model.gguf_codes import BlockCodes, concat_rows, decode, from_block
 from tests.helpers import examples
 from tests.model.test_gguf_codes import FP16_FIELDS, TYPES, same_codes
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels are not built here")
+needs_c = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels are not built here")
 
 PACKED = ("lo", "hi", "sc", "mn", "d", "dmin")
 
@@ -41,14 +41,18 @@ def assert_same_packing(got: gguf_codes.PackedCodes, want: gguf_codes.PackedCode
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.shape == b.shape and a.dtype == b.dtype, name
-            assert a.tobytes() == b.tobytes(), f"{name}: {np.count_nonzero(a.view(np.uint8) != b.view(np.uint8))} bytes differ"
+            differ = np.count_nonzero(a.view(np.uint8) != b.view(np.uint8))
+            assert a.tobytes() == b.tobytes(), f"{name}: {differ} bytes differ"
 
 
 def packed_by_c(codes: BlockCodes) -> gguf_codes.PackedCodes:
     assert isinstance(codes, BlockCodes)
-    return pack(codes)
+    packed = pack(codes)
+    assert codes._decoded is None  # numpy never decoded them: kpack.c packed them
+    return packed
 
 
+@needs_c
 @settings(max_examples=examples(80))
 @given(qtype=st.sampled_from(TYPES), n=st.integers(1, 50), blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_one_tensor_packs_as_numpy(qtype, n, blocks, seed):
@@ -57,6 +61,7 @@ def test_one_tensor_packs_as_numpy(qtype, n, blocks, seed):
     assert_same_packing(packed_by_c(from_blocks(raw, qtype, (n, k))), pack(decode(raw, qtype, (n, k))))
 
 
+@needs_c
 @settings(max_examples=examples(60))
 @given(data=st.data(), qtype=st.sampled_from(TYPES), n=st.integers(1, 50), seed=st.integers(0, 2**32 - 1))
 def test_rows_in_any_order_pack_as_numpy(data, qtype, n, seed):
@@ -69,6 +74,7 @@ def test_rows_in_any_order_pack_as_numpy(data, qtype, n, seed):
     assert_same_packing(packed_by_c(blocks), pack(decode(raw, qtype, (n, k)).rows(index)))
 
 
+@needs_c
 @settings(max_examples=examples(80))
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_fused_parts_of_mixed_types_pack_as_numpy(data, seed):
@@ -87,6 +93,7 @@ def test_fused_parts_of_mixed_types_pack_as_numpy(data, seed):
         assert_same_packing(packed_by_c(stacked.rows(picked)), pack(want.rows(picked)))
 
 
+@needs_c
 def test_folded_offsets_round_as_numpy():
     """An offset folded into the min term (d * offset in fp16) at every size of d: subnormal,
     normal, past fp16's range (inf), and nan; Q6_K's 32 and Q8_0's 128 beside Q4_K's min term."""
@@ -106,6 +113,7 @@ def test_folded_offsets_round_as_numpy():
         assert np.isinf(got.dmin).any() and np.isnan(got.dmin).any()
 
 
+@needs_c
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_column_cuts_pack_as_numpy(qtype):
     """A row-parallel shard cuts each row's blocks (a strided view of the file's bytes)."""
@@ -142,6 +150,7 @@ def test_without_the_library_numpy_packs(monkeypatch):
     assert_same_packing(pack(from_blocks(raw, T.Q5_K, (20, 256))), want)
 
 
+@needs_c
 def test_a_permuted_fused_qkv_packs_as_numpy():
     """q, k, v as the encoder writes them (Q4_K, Q5_K, Q6_K), Q and K rows unpermuted as the
     loader does, stacked: the fused layer's packed tensors are numpy's."""
@@ -169,6 +178,7 @@ def zeroed(n: int, k: int, form: gguf_codes.Form) -> cpu_kernels.KQTensors:
             make(form.dmin, (b, s, 16), torch.float16))
 
 
+@needs_c
 def test_the_wrapper_refuses_what_c_would_misread():
     raw = raw_blocks(T.Q6_K, 8, 256, seed=9)
     rows = np.arange(8, dtype=np.int64)
