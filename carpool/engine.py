@@ -29,7 +29,7 @@ from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
-from carpool.spec.acceptance import SpecDecodeStats, SpecState
+from carpool.spec.acceptance import SpecDecodeStats, SpecState, draft_room
 from carpool.spec.proposers import make_proposer
 from carpool.structured import StructuredOutputs
 from carpool.structured.masks import MaskJob
@@ -378,8 +378,7 @@ class LLMEngine:
                 continue
             if request.spec is None:
                 request.spec = SpecState()
-            room = min(request.sampling_params.max_tokens - request.num_output_tokens,
-                       self.max_model_len - request.num_tokens) - 1
+            room = draft_room(request, self.max_model_len)
             limit = min(request.spec.draft_limit(self.spec_config.num_speculative_tokens), room)
             if limit > 0:
                 asked.append(request)

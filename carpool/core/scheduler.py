@@ -166,9 +166,9 @@ class Scheduler:
 
     def end_verification(self, request: Request) -> None:
         """Give back the blocks that only rejected drafts reached (their slots are rewritten
-        before they are read again)."""
+        before they are read again), but none a policy reserved up front."""
         if request.status is RequestStatus.RUNNING:
-            self.block_manager.trim(request, request.num_tokens)
+            self.block_manager.trim(request, max(request.num_tokens, self.tokens_to_reserve(request, 0)))
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """The batch took `seconds` (measured by the engine, or simulated); policies that
