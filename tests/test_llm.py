@@ -179,7 +179,8 @@ def test_speculative_config_keeps_greedy_output(llm, model_path):
     assert llm.llm_engine.spec_stats.num_drafts == 0
 
 
-@pytest.mark.parametrize("bad", ['{"method": "eagle"}', {"method": "eagle"}, "{not json", {"num_speculative_tokens": 0}])
+@pytest.mark.parametrize("bad", ['{"method": "eagle"}', {"method": "eagle"}, "{not json",
+                                 {"num_speculative_tokens": 0}])
 def test_a_bad_speculative_config_is_a_value_error(bad, model_path):
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(model=model_path, speculative_config=bad)
