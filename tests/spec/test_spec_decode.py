@@ -1,0 +1,128 @@
+"""Speculative decoding in the engine: the same tokens as without it, for greedy and seeded
+sampling, through chunked prefill, preemption and the prefix cache; every block freed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.request import RequestStatus
+from carpool.sampling_params import SamplingParams
+from tests.helpers import examples, nan_in_unwritten_blocks, scheduler_config
+from tests.spec.helpers import speculating
+
+# Prompts whose continuations repeat what they have seen, so that n-gram drafts get accepted.
+REPEATING = [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat",
+    "Once upon a time",
+]
+
+
+def generate(engine, prompts, params: SamplingParams | list[SamplingParams]):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return reqs
+
+
+def outputs(reqs):
+    return [(r.output_token_ids, r.status, r.stop_reason) for r in reqs]
+
+
+def both_ways(engine, prompts, params, k: int = 4):
+    """Outputs without speculation, then with it (and the spec counters of that run)."""
+    off = outputs(generate(engine, prompts, params))
+    with speculating(engine, k):
+        on = outputs(generate(engine, prompts, params))
+        stats = engine.spec_stats
+    return off, on, stats
+
+
+def test_greedy_equals_no_speculation_with_chunked_prefill(engine_fp32):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with scheduler_config(engine_fp32, budget=24), nan_in_unwritten_blocks(engine_fp32):
+        off, on, stats = both_ways(engine_fp32, REPEATING, sp)
+        assert engine_fp32.block_manager.holders() == {}
+    assert on == off
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
+
+
+def test_greedy_equals_no_speculation_through_preemption(engine_fp32):
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    with scheduler_config(engine_fp32, budget=64, num_blocks=14) as engine:
+        off, on, _ = both_ways(engine, REPEATING, sp)
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.holders() == {}
+    assert on == off
+
+
+def test_greedy_equals_no_speculation_with_prefix_cache_hits(engine_fp32):
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = REPEATING[1] * 3
+    with scheduler_config(engine_fp32, prefix_caching=True) as engine:
+        off = outputs(generate(engine, [prompt], sp))
+        with speculating(engine, 5):
+            first = outputs(generate(engine, [prompt], sp))
+            again = generate(engine, [prompt], sp)
+        assert again[0].num_cached_tokens > 0
+        assert first == off and outputs(again) == off
+
+
+def test_seeded_sampling_penalties_logprobs_and_stops_equal_no_speculation(engine_fp32):
+    """The request's generator draws once per output token with or without drafts, and every
+    position is sampled with the tokens before it in place (penalties, stop strings)."""
+    params = [SamplingParams(max_tokens=32, temperature=0.8, seed=7, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1, repetition_penalty=1.3,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, stop=["7, 8"], ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, min_tokens=5, ignore_eos=False)]
+    prompts = [REPEATING[0], REPEATING[2], REPEATING[0], REPEATING[1]]
+    off_reqs = generate(engine_fp32, prompts, params)
+    with speculating(engine_fp32, 4):
+        on_reqs = generate(engine_fp32, prompts, params)
+        assert engine_fp32.spec_stats.num_accepted_tokens > 0
+    assert outputs(on_reqs) == outputs(off_reqs)
+    assert on_reqs[2].status is RequestStatus.FINISHED_STOPPED and on_reqs[2].stop_reason == "7, 8"
+    for a, b in zip(on_reqs[0].output_logprobs, off_reqs[0].output_logprobs):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
+def test_grammar_constrained_requests_do_not_speculate(engine_fp32):
+    sp = SamplingParams(max_tokens=20, temperature=0, structured_outputs={"regex": "(ab)+"})
+    with speculating(engine_fp32, 4):
+        req, = generate(engine_fp32, ["abababababab"], sp)
+        assert engine_fp32.spec_stats.num_draft_tokens == 0
+    assert set(req.output_token_ids) and req.status.finished
+
+
+@settings(max_examples=examples(12))
+@given(data=st.data())
+def test_random_requests_match_no_speculation_and_free_every_block(engine_fp32, data):
+    n = data.draw(st.integers(1, 4))
+    prompts = data.draw(st.lists(st.sampled_from(REPEATING), min_size=n, max_size=n))
+    params = [SamplingParams(max_tokens=data.draw(st.integers(1, 24)), temperature=0,
+                             ignore_eos=data.draw(st.booleans()),
+                             stop=data.draw(st.sampled_from([[], ["mat"], [", 5"], ["a + b"]])))
+              for _ in prompts]
+    budget = data.draw(st.sampled_from([8, 17, 64, 512]))
+    k = data.draw(st.integers(1, 6))
+    with scheduler_config(engine_fp32, budget=budget, num_blocks=data.draw(st.sampled_from([12, 40]))) as engine:
+        off, on, _ = both_ways(engine, prompts, params, k)
+        assert engine.block_manager.holders() == {}
+    assert on == off
+    for (tokens, _, _), sp in zip(on, params):
+        assert len(tokens) <= sp.max_tokens
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle"])
+def test_unsupported_methods_are_refused_by_name(engine_fp32, method):
+    from carpool.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=method):
+        SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3})
