@@ -160,6 +160,13 @@ def cmd_bench_structured(args) -> int:
     return 0
 
 
+def cmd_bench_spec(args) -> int:
+    from carpool.bench.spec import run_spec_bench
+
+    run_spec_bench(engine_config(args), args)
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from carpool.sim.run import run_simulate
 
@@ -343,6 +350,26 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--output", default="bench_results/structured")
     add_engine_args(st)
     st.set_defaults(func=cmd_bench_structured)
+
+    sp = bench.add_parser("spec", help="speculative decoding on vs off in one process: code editing, random "
+                                       "prompts, a burst of edits, a draft model (tokens/s, acceptance)")
+    sp.add_argument("--workloads", type=opts.str_list, default=["editing", "random", "burst", "draft"],
+                    help="comma list of editing, random, burst, draft")
+    sp.add_argument("--num-speculative-tokens", type=opts.positive_int, default=5)
+    sp.add_argument("--prompt-lookup-max", type=opts.positive_int, default=4)
+    sp.add_argument("--repeats", type=opts.positive_int, default=3, help="runs per workload and mode, alternating")
+    sp.add_argument("--num-functions", type=opts.positive_int, default=8, help="editing prompts (8 functions)")
+    sp.add_argument("--max-tokens", type=opts.positive_int, default=None,
+                    help="cap on an editing answer (default: its function's tokens + 32)")
+    sp.add_argument("--num-random", type=opts.positive_int, default=4, help="random prompts")
+    sp.add_argument("--random-tokens", type=opts.positive_int, default=128, help="output tokens per random prompt")
+    sp.add_argument("--burst-size", type=opts.positive_int, default=16, help="editing requests at once")
+    sp.add_argument("--draft-cost-ratio", type=opts.positive_float, default=0.1,
+                    help="a draft model's step cost / the target's, for the projection")
+    sp.add_argument("--workload-seed", type=int, default=0, help="of the random prompts")
+    sp.add_argument("--output", default="bench_results/spec")
+    add_engine_args(sp)
+    sp.set_defaults(func=cmd_bench_spec)
 
     def serving_like(name: str, help: str, output: str, workload: dict, func, qps_default) -> argparse.ArgumentParser:
         s = bench.add_parser(name, help=help)
