@@ -14,8 +14,6 @@ import itertools
 import logging
 from pathlib import Path
 
-import torch
-
 from carpool.config import SpeculativeConfig, default_kv_cache_memory
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch
@@ -54,7 +52,9 @@ class DraftModelProposer:
     see. Where blocks run short, a request gets no drafts that step; the target's step never fails
     for the draft's sake."""
 
-    MAX_STEP_TOKENS = 512  # per draft forward: a long prompt catches up in chunks, not one huge batch
+    # Tokens per draft forward. Between two target steps the draft runs one catch-up forward and
+    # then its decodes, so a long prompt catches up over several steps instead of stalling one.
+    MAX_STEP_TOKENS = 512
 
     def __init__(self, config: SpeculativeConfig, engine):
         path = resolve_model_path(config.model)
@@ -94,10 +94,14 @@ class DraftModelProposer:
             if limit > 0 and need <= self.max_model_len and self.block_manager.allocate(shadow, need):
                 drafts[shadow], wanted[shadow] = [], limit
         try:
-            while active := [s for s in drafts if len(drafts[s]) < wanted[s]]:
+            # Catch-up: one forward over every shadow's new tokens, at most max_step_tokens. A
+            # shadow left behind (a long prompt) drafts nothing this time and goes on next time.
+            active = list(drafts)
+            while active:
                 for shadow, token in self._step(active):
                     shadow.token_ids.append(token)
                     drafts[shadow].append(token)
+                active = [s for s in active if 0 < len(drafts[s]) < wanted[s]]
         except Exception:  # noqa: BLE001 -- a failed draft costs its drafts, never the target's step
             log.exception("draft model step failed; dropping its drafts")
             self.close()
@@ -133,7 +137,7 @@ class DraftModelProposer:
         del mine[same:]
         mine.extend(theirs[same:])
         shadow.spec_token_ids = []
-        # The last token is always computed again: its logits give the first draft.
+        # At least the last token is computed (again): its logits give the first draft.
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, len(theirs) - 1)
         self.block_manager.trim(shadow, shadow.num_computed_tokens)
         return shadow

@@ -72,12 +72,10 @@ def test_self_drafting_keeps_greedy_outputs(self_drafting, prompts, plain):
 
 def test_rolled_back_shadows_draft_as_fresh_ones(self_drafting, random_draft):
     """After rejections (the target keeps some drafts, then differs), a shadow's proposals equal
-    those of a proposer that computes every token from scratch: the KV it kept is valid. Its
-    catch-up runs in chunks of 16 tokens, the fresh one's in one piece."""
+    those of a proposer that computes every token from scratch: the KV it kept is valid."""
     rng = random.Random(0)
     vocab = self_drafting.model_config.vocab_size
     incremental = DraftModelProposer(random_draft, self_drafting)
-    incremental.max_step_tokens = 16
     fresh = DraftModelProposer(random_draft, self_drafting)
     targets = [target(str(i), [rng.randrange(vocab) for _ in range(n)]) for i, n in enumerate((40, 7, 23))]
     num_rejections = 0
@@ -99,6 +97,24 @@ def test_rolled_back_shadows_draft_as_fresh_ones(self_drafting, random_draft):
     incremental.close()
     fresh.close()
     assert not incremental.block_manager.holders() and not fresh.block_manager.holders()
+
+
+def test_long_prompt_catches_up_over_several_calls(self_drafting, random_draft):
+    """With 16 tokens per draft forward, a 40-token prompt drafts nothing for two calls (its
+    catch-up goes on), then what a proposer that took it in one piece drafts; a request already
+    level drafts all along."""
+    chunked = DraftModelProposer(random_draft, self_drafting)
+    chunked.max_step_tokens = 16
+    whole = DraftModelProposer(random_draft, self_drafting)
+    long, short = target("long", list(range(100, 140))), target("short", list(range(200, 205)))
+    expected = whole.propose([long, short], [3, 3])
+    assert [len(d) for d in expected] == [3, 3]
+    got = [chunked.propose([long, short], [3, 3]) for _ in range(3)]
+    assert [d[0] for d in got] == [[], [], expected[0]]
+    assert all(d[1] == expected[1] for d in got)
+    assert chunked.shadows[long].num_computed_tokens == 42  # 40 tokens and 2 of its 3 drafts
+    chunked.close()
+    whole.close()
 
 
 def test_requests_that_do_not_fit_get_no_drafts(self_drafting, random_draft):
@@ -133,5 +149,6 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path, engine_fp32, model_pa
     vocab = data["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=re.escape(f"draft model {tmp_path} and the target {model_path} have different")):
+    message = f"draft model {tmp_path} and the target {model_path} have different tokenizers"
+    with pytest.raises(ValueError, match=re.escape(message)):
         DraftModelProposer(SpeculativeConfig(method="draft_model", model=str(tmp_path)), engine_fp32)
