@@ -420,6 +420,8 @@ class LLMEngine:
         """Stop the parallel workers, if any (a no-op for a single-process engine)."""
         self.executor.shutdown()
         self.structured.shutdown()
+        if self.proposer is not None:
+            self.proposer.close()
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
         self.num_consecutive_failed_steps += 1

@@ -18,6 +18,10 @@ class Proposer(Protocol):
         """For each request, up to `limits[i]` tokens guessed to follow its `token_ids`."""
         ...
 
+    def close(self) -> None:
+        """Free what the proposer holds (a draft model's KV cache)."""
+        ...
+
 
 def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The up to `k` tokens that followed the latest earlier occurrence of the last n tokens,
@@ -50,6 +54,9 @@ class NgramProposer:
 
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         return [ngram_lookup(r.token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, limits)]
+
+    def close(self) -> None:
+        """Nothing held between steps."""
 
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
