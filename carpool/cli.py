@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cap on an editing answer (default: its function's tokens + 32)")
     sp.add_argument("--num-random", type=opts.positive_int, default=4, help="random prompts")
     sp.add_argument("--random-tokens", type=opts.positive_int, default=128, help="output tokens per random prompt")
+    sp.add_argument("--random-repetition-penalty", type=opts.positive_float, default=1.3,
+                    help="of the random prompts' answers (1: plain greedy, which loops on them)")
     sp.add_argument("--burst-size", type=opts.positive_int, default=16, help="editing requests at once")
     sp.add_argument("--draft-cost-ratio", type=opts.positive_float, default=0.1,
                     help="a draft model's step cost / the target's, for the projection")

@@ -27,6 +27,7 @@ def test_writes_json_and_plot(result):
     w = r["workloads"]
     assert set(w) == {"editing", "random", "burst", "draft"}
     assert r["speculative_config"]["method"] == "ngram" and r["repeats"] == 1
+    assert w["random"]["repetition_penalty"] == 1.3 and w["random"]["on"]["output_tokens"] == 8
     for name in ("editing", "random", "burst"):
         assert {"off", "on", "ratio", "same_outputs", "target", "met"} <= set(w[name])
         assert w[name]["off"]["draft_tokens"] == 0 and w[name]["off"]["accepted_tokens"] == 0
@@ -77,3 +78,8 @@ def test_projection_formula():
     # k = 2 at acceptance 0.5: 1.75 tokens for 2 * 0.1 of drafting plus a verification at 1.5x
     rows = projection([2.0, 2.5, 3.0], acceptance=0.5, draft_cost_ratio=0.1)
     assert rows[1]["verify_cost_ratio"] == 1.5 and rows[1]["speedup"] == pytest.approx(1.75 / 1.7)
+
+
+def test_unknown_workload_fails_before_loading_the_model(capsys):
+    assert main(["bench", "spec", "--workloads", "editing,typo"]) == 2
+    assert "typo" in capsys.readouterr().err
