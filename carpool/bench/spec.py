@@ -4,8 +4,8 @@ Two engines are built from the same settings, one with `speculative_config` and 
 each workload runs on both, off then on, `--repeats` times (interleaved, so both see the same host):
 
 - editing: chat prompts asking for one small change to a Python function (EDITS, 15-40 lines
-  each), one request at a time, greedy, max_tokens = the function's tokens + 32. The answer
-  copies most of the prompt, which prompt lookup (n-gram) guesses. Decode tokens/s per request
+  each), one request at a time, greedy, max_tokens = the function's tokens + 32. What an
+  answer copies from its prompt, prompt lookup (n-gram) guesses. Decode tokens/s per request
   counts the tokens after the first over the time from the first token to the last; the total
   is the sum of those tokens over the sum of those times. Target: on >= 2x off.
 - random: prompts of distinct random token ids (seeded), so that the prompt offers nothing to
@@ -20,8 +20,10 @@ each workload runs on both, off then on, `--repeats` times (interleaved, so both
   prompts, and the cost of a verification step scoring 1 + k tokens against a 1-token decode
   step (k = 0..8, the real runner on a synthetic request at the editing prompts' context).
 
-Tokens per step (single stream) = decode tokens / steps that decoded; acceptance = drafts kept /
-drafts scored; the accepted fraction = output tokens that were kept drafts / output tokens.
+Tokens per step = decode tokens / the steps each request decoded in (summed over requests);
+acceptance = drafts kept / drafts scored; the accepted fraction = output tokens that were kept
+drafts / output tokens. `same_outputs` is the fraction of requests whose output ids match with
+and without speculation.
 
 What a draft model of a given cost would give. With k drafts per step, a draft forward costing
 c times a target decode step T (c = `draft_cost_ratio`), and a verification step of 1 + k
@@ -31,8 +33,10 @@ tau tokens, against one token per T without speculation:
     speedup(k) = tau(k) / (k c + V(k) / V(0))
 
 With a per-draft acceptance a, independent from draft to draft, tau(k) = (1 - a^(k+1)) / (1 - a)
-(the kept drafts plus the token verification samples itself). The JSON gives this for each k at
-the acceptance the draft run measured (else the editing run's n-gram acceptance) and c = 0.1.
+(the kept drafts plus the token verification samples itself). The JSON gives this for each k,
+at c = --draft-cost-ratio (0.1), at the acceptance the self-draft run measured ("projection":
+an upper end, a model drafting for itself agrees with itself) and at the editing run's n-gram
+acceptance ("projection_at_ngram_acceptance").
 """
 
 from __future__ import annotations
@@ -295,7 +299,7 @@ def single_stream_stats(runs: list[Run]) -> dict:
     timelines = [t for r in runs for t in r.timelines]
     decode_tokens = sum(max(len(t.token_times) - 1, 0) for t in timelines)
     decode_seconds = sum(t.token_times[-1] - t.token_times[0] for t in timelines if t.token_times)
-    per_repeat = [sum(len(t.token_times) - 1 for t in r.timelines) /
+    per_repeat = [sum(max(len(t.token_times) - 1, 0) for t in r.timelines) /
                   max(sum(t.token_times[-1] - t.token_times[0] for t in r.timelines), 1e-9) for r in runs]
     summary, _ = summarize(timelines)
     return {
@@ -431,6 +435,9 @@ def draft_workload(config: EngineConfig, off_engine, editing, args, ngram_accept
     result["projection_acceptance_from"] = source
     result["draft_cost_ratio"] = args.draft_cost_ratio
     result["projection"] = projection(costs, acceptance or 0.0, args.draft_cost_ratio)
+    if ngram_acceptance is not None:
+        result["ngram_acceptance"] = ngram_acceptance
+        result["projection_at_ngram_acceptance"] = projection(costs, ngram_acceptance, args.draft_cost_ratio)
     return result
 
 
@@ -522,6 +529,10 @@ def summary_table(result: dict) -> str:
                     f"{d['projection_acceptance']:.2f} ({d['projection_acceptance_from']}): best k = {best['k']}, "
                     f"{best['tokens_per_step']:.2f} tokens/step, verify cost {best['verify_cost_ratio']:.2f}x, "
                     f"speedup {best['speedup']:.2f}x")
+        if "ngram_acceptance" in d:
+            best = max(d["projection_at_ngram_acceptance"], key=lambda p: p["speedup"])
+            rows.append(f"  at the n-gram acceptance {d['ngram_acceptance']:.2f}: best k = {best['k']}, "
+                        f"{best['tokens_per_step']:.2f} tokens/step, speedup {best['speedup']:.2f}x")
     return "\n".join(rows)
 
 

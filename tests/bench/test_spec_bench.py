@@ -45,6 +45,7 @@ def test_writes_json_and_plot(result):
     assert len(d["verify_step_s"]) == 9 and d["verify_cost_ratio"][0] == 1.0
     assert [p["k"] for p in d["projection"]] == list(range(1, 9))
     assert d["self_draft"]["on"]["draft_tokens"] > 0 and d["draft_cost_ratio"] == 0.1
+    assert d["ngram_acceptance"] == single["acceptance_rate"] and len(d["projection_at_ngram_acceptance"]) == 8
 
 
 def test_editing_prompts_hold_their_function(model_path):
