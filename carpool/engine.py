@@ -29,7 +29,7 @@ from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
-from carpool.spec.acceptance import SpecDecodeStats, SpecState, draft_room
+from carpool.spec.acceptance import SpecDecodeStats, drafts_to_ask
 from carpool.spec.proposers import make_proposer
 from carpool.structured import StructuredOutputs
 from carpool.structured.masks import MaskJob
@@ -367,19 +367,15 @@ class LLMEngine:
         return sampled
 
     def _propose(self, requests: list[Request]) -> None:
-        """Drafts for the next step of each request that just sampled, as many as its record
-        earns (spec/acceptance.py) and its max_tokens and the context leave room for (the step
-        that verifies k drafts adds up to k + 1 tokens). Grammar-constrained requests do not
-        speculate: their drafts would need checking against the grammar first."""
+        """Drafts for the next step of each request that just sampled (spec/acceptance.py says
+        how many). Grammar-constrained requests do not speculate: their drafts would need
+        checking against the grammar first."""
         asked, limits = [], []
         for request in requests:
             request.spec_token_ids = []
             if request.grammar is not None:
                 continue
-            if request.spec is None:
-                request.spec = SpecState()
-            room = draft_room(request, self.max_model_len)
-            limit = min(request.spec.draft_limit(self.spec_config.num_speculative_tokens), room)
+            limit = drafts_to_ask(request, self.spec_config.num_speculative_tokens, self.max_model_len)
             if limit > 0:
                 asked.append(request)
                 limits.append(limit)

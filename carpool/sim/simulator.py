@@ -34,7 +34,7 @@ from carpool.core.scheduler import ScheduledBatch, Scheduler, make_scheduler
 from carpool.core.step_cost import BatchShape, CostModel, seeded_step_cost
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
-from carpool.spec.acceptance import SpecDecodeStats, SpecState, draft_room
+from carpool.spec.acceptance import SpecDecodeStats, drafts_to_ask
 
 
 @dataclass(frozen=True)
@@ -199,9 +199,7 @@ class Replica:
         if not k:
             return
         for r in requests:
-            if r.spec is None:
-                r.spec = SpecState()
-            r.spec_token_ids = [0] * max(min(r.spec.draft_limit(k), draft_room(r, self.config.max_model_len)), 0)
+            r.spec_token_ids = [0] * drafts_to_ask(r, k, self.config.max_model_len)
 
 
 def prompt_ids(i: int, w: Any) -> list[int]:

@@ -78,8 +78,12 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
-def draft_room(request: Request, max_model_len: int) -> int:
-    """The most drafts a request may be offered: the step that verifies k drafts adds up to k + 1
-    tokens, and they must fit its max_tokens and the context (the engine and the simulator ask)."""
-    return min(request.sampling_params.max_tokens - request.num_output_tokens,
+def drafts_to_ask(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
+    """How many drafts to ask for, before a request's next step (the engine and the simulator
+    ask alike): as many as its record earns, and room for: the step that verifies k drafts adds
+    up to k + 1 tokens, which must fit its max_tokens and the context."""
+    if request.spec is None:
+        request.spec = SpecState()
+    room = min(request.sampling_params.max_tokens - request.num_output_tokens,
                max_model_len - request.num_tokens) - 1
+    return max(0, min(request.spec.draft_limit(num_speculative_tokens), room))
