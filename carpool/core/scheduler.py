@@ -412,19 +412,36 @@ class SloSarathiScheduler(SarathiScheduler):
             n = min(cap, self.MIN_CHUNK)
         return n
 
-    def draft_size(self, i: int, proposal: list[int], batch: ScheduledBatch) -> int:
-        """The most drafts for which the step's predicted time stays within the target (never
-        the relaxed limit a non-strict step may take for prefills: drafts are optional work)."""
+    def schedule_drafts(self, batch: ScheduledBatch) -> None:
+        """Drafts by their worth, with the step-time fit pricing them. A request's j-th draft is
+        kept with chance a^j (a: its acceptance record, spec/acceptance.py), so it yields that
+        many tokens on average; drafts are taken most likely first while each one's expected
+        tokens per second of predicted step time it adds is at least the step's own rate so far
+        (output tokens over predicted seconds), and the step stays within the target (never the
+        relaxed limit a non-strict step may take for prefills: drafts are optional work). On a
+        batch of one a draft costs a fraction of a token's step and nearly all are taken; once a
+        batch is large enough to be compute-bound, a draft costs what a token costs and only the
+        likeliest are."""
         limit = min(self.step_limit, self.target_tbt)
-        n = min(super().draft_size(i, proposal, batch), self.cost.trusted_tokens() - batch.total_tokens)
-        while n > 0:
-            batch.set_drafts(i, proposal[:n])
-            fits = self.cost.upper(BatchShape.of(batch)) <= limit
-            batch.set_drafts(i, [])
-            if fits:
-                break
-            n -= 1
-        return n
+        worth = sorted((r.spec.acceptance ** (j + 1) if r.spec is not None else 0.5, -j, i)
+                       for i, r in enumerate(batch.requests) if batch.is_decode[i]
+                       for j in range(len(r.spec_token_ids)))
+        seconds, tokens = self.cost.predict(BatchShape.of(batch)), float(batch.num_decode_tokens)
+        cap = min(self.max_num_batched_tokens, self.cost.trusted_tokens())
+        for gain, j, i in reversed(worth):
+            proposal, taken = batch.requests[i].spec_token_ids, len(batch.drafts[i])
+            if -j != taken or batch.total_tokens >= cap:
+                continue  # an earlier draft of this request was not taken (or no room is left)
+            batch.set_drafts(i, proposal[:taken + 1])
+            after = self.cost.predict(BatchShape.of(batch))
+            if after * self.cost.margin > limit or gain * seconds < tokens * (after - seconds):
+                batch.set_drafts(i, proposal[:taken])
+                continue
+            seconds, tokens = after, tokens + gain
+        for i, request in enumerate(batch.requests):
+            drafts = batch.drafts[i]
+            if drafts and not self.block_manager.allocate(request, request.num_computed_tokens + 1 + len(drafts)):
+                batch.set_drafts(i, [])  # drafts never preempt
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         self.cost.observe(batch.shape or BatchShape.of(batch), seconds)

@@ -14,6 +14,7 @@ from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import BatchShape, StepCostModel
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
+from carpool.spec.acceptance import SpecState
 from tests.helpers import examples
 
 
@@ -145,21 +146,48 @@ def test_drafts_never_preempt():
     assert batch.drafts == [[], []] and not batch.preempted and sched.num_preemptions == 0
 
 
-def test_slo_budget_grants_drafts_only_within_the_target():
+def fitted(fixed: float, per_token: float) -> StepCostModel:
+    """A step-time fit that has seen steps costing `fixed` + `per_token` a token, of many shapes."""
     cost = StepCostModel()
-    for _ in range(40):  # 1 ms a token, 2 ms fixed: a one-decode step takes 3 ms
-        for shape in (BatchShape(decode_contexts=(10,)), BatchShape(prefills=((20, 0),)),
-                      BatchShape(prefills=((60, 10),)), BatchShape(prefills=((5, 30),))):
-            cost.observe(shape, 0.002 + 0.001 * shape.num_tokens)
-    bm = BlockManager(64, 4)
-    sched = make_scheduler("sarathi", bm, 512, 8, target_tbt=0.0065, cost=cost, strict=False)
-    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
-    sched.add_request(a)
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = BatchShape(tuple((rng.randint(1, 40), rng.randint(0, 60)) for _ in range(rng.randint(0, 3))),
+                           tuple(rng.randint(2, 80) for _ in range(rng.randint(0, 20))))
+        if shape.num_tokens:
+            cost.observe(shape, fixed + per_token * shape.num_tokens)
+    return cost
+
+
+def slo_with_decodes(cost: StepCostModel, target: float, acceptance: float, num_decodes: int, proposal: int):
+    bm = BlockManager(256, 4)
+    sched = make_scheduler("sarathi", bm, 512, 64, target_tbt=target, cost=cost, strict=False)
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=50)) for i in range(num_decodes)]
+    for r in reqs:
+        sched.add_request(r)
     sched.commit(sched.schedule())
-    a.append_token(4, 0.0)
-    a.spec_token_ids = [7] * 10
-    batch = sched.schedule()
-    assert 1 <= len(batch.drafts[0]) < 10
-    assert cost.upper(BatchShape.of(batch)) <= 0.0065
+    for r in reqs:
+        r.append_token(4, 0.0)
+        r.spec = SpecState(acceptance=acceptance)
+        r.spec_token_ids = [7] * proposal
+    return sched, sched.schedule()
+
+
+def test_a_lone_decode_takes_every_draft_that_is_cheap_and_fits_the_target():
+    cost = fitted(0.010, 0.0005)  # a decode step is mostly its fixed cost
+    sched, batch = slo_with_decodes(cost, 0.030, 0.95, 1, 12)
+    assert batch.drafts == [[7] * 12]
+    sched, batch = slo_with_decodes(cost, 0.030, 0.7, 1, 12)  # the 7th draft is kept 8% of the time
+    assert 4 <= len(batch.drafts[0]) < 12
+    sched, batch = slo_with_decodes(cost, 0.0135, 0.7, 1, 12)  # room for ~5 tokens within the target
+    assert 1 <= len(batch.drafts[0]) < 12
+    assert cost.upper(BatchShape.of(batch)) <= 0.0135
     batch.set_drafts(0, [7] * (len(batch.drafts[0]) + 1))
-    assert cost.upper(BatchShape.of(batch)) > 0.0065  # one more would not have fit
+    assert cost.upper(BatchShape.of(batch)) > 0.0135  # one more would not have fit
+
+
+def test_a_compute_bound_batch_takes_only_drafts_worth_a_token():
+    cost = fitted(0.001, 0.001)  # 16 decodes: 17 ms, a draft costs what a token costs
+    _, batch = slo_with_decodes(cost, 0.3, 0.8, 16, 5)
+    assert batch.num_draft_tokens == 0  # a draft yields 0.8 tokens for a token's cost: worse than a decode
+    _, batch = slo_with_decodes(fitted(0.016, 0.0001), 0.3, 0.8, 16, 5)  # fixed cost dominates
+    assert batch.num_draft_tokens == 16 * 5
