@@ -34,8 +34,8 @@ class StepPlan:
     input_ids: list[int]
     positions: np.ndarray  # [tokens] int64
     slot_mapping: np.ndarray  # [tokens] int64: KV slot each token writes
-    decode_tables: list[list[int]]  # block table of each decode (decodes come first)
-    decode_lens: list[int]  # context length of each decode, its new token included
+    decode_tables: list[list[int]]  # block table of each decode row (decodes come first)
+    decode_lens: list[int]  # context length of each decode row, its new token included
     prefills: list[tuple[int, int, int, list[int]]]  # (row, end row, cached tokens, block table)
     sample_rows: list[int]  # rows whose logits are sampled (a decode with k drafts: k + 1 rows)
     fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
@@ -146,10 +146,14 @@ class ModelRunner:
             ids.extend(drafts)
             positions.append(np.arange(start, ctx))
             slots.append(self.slots_for(req.block_ids, start, ctx))
-            if req.is_decode and not drafts:
-                decode_tables.append(req.block_ids[:blocks_for(ctx, bs)])
-                decode_lens.append(ctx)
-            else:  # a prefill chunk, or a decode with drafts: causal over its cached context
+            if req.is_decode:
+                # A decode with k drafts is k + 1 decode rows over one block table: row j sees
+                # the context up to its own token (the step writes every row's KV before any
+                # layer attends), so it runs in the batched decode attention, not as a chunk.
+                table = req.block_ids[:blocks_for(ctx, bs)]
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, ctx + 1))
+            else:
                 prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
             if ctx - len(drafts) == req.num_tokens:  # its last token and each draft are scored
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))

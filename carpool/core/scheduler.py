@@ -94,9 +94,8 @@ class ScheduledBatch:
         return self.total_tokens - self.num_decode_tokens - self.num_draft_tokens
 
     def ordered(self) -> ScheduledBatch:
-        """Plain decodes first (the model runner batches their attention together), then decodes
-        with drafts (each attends like a short chunk), then prefill chunks."""
-        order = sorted(range(len(self.requests)), key=lambda i: 2 * (not self.is_decode[i]) + bool(self.drafts[i]))
+        """Decodes first (the model runner batches their attention together), then prefill chunks."""
+        order = sorted(range(len(self.requests)), key=lambda i: not self.is_decode[i])
         return ScheduledBatch([self.requests[i] for i in order], [self.num_tokens[i] for i in order],
                               [self.is_decode[i] for i in order], [self.drafts[i] for i in order],
                               self.preempted, self.shape, self.predicted_time, self.slo_unreachable)

@@ -52,9 +52,9 @@ class BatchShape:
         """The shape of a batch as scheduled (before `commit` advances its requests)."""
         prefills, decodes, sampled = [], [], 0
         for r, n, is_decode, drafts in zip(batch.requests, batch.num_tokens, batch.is_decode, batch.drafts):
-            if is_decode and not drafts:
-                decodes.append(r.num_computed_tokens + 1)
-            else:  # a prefill chunk, or a decode with drafts: a short chunk over its context
+            if is_decode:  # with k drafts, k + 1 decode rows (as the model runner runs them)
+                decodes.extend(range(r.num_computed_tokens + 1, r.num_computed_tokens + 2 + len(drafts)))
+            else:
                 prefills.append((n, r.num_computed_tokens))
             sampled += 1 + len(drafts) if r.num_computed_tokens + n - len(drafts) == r.num_tokens else 0
         return cls(tuple(prefills), tuple(decodes), sampled)
