@@ -27,7 +27,7 @@ from carpool.inputs import PromptType, parse_prompt
 from carpool.model.loader import hf_generation_config
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
-from carpool.sampler import Sampler, score_prompt
+from carpool.sampler import BAD_LOGITS, Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
 from carpool.spec.acceptance import SpecDecodeStats, drafts_to_ask
 from carpool.spec.proposers import make_proposer
@@ -271,16 +271,24 @@ class LLMEngine:
         rows = [0] * len(ready)  # the first logits row of each ready request
         for i in range(1, len(ready)):
             rows[i] = rows[i - 1] + 1 + len(drafts[i - 1])
+        argmax = self._greedy_draft_tokens(logits, ready, drafts, rows)
         now = time.monotonic()
         failed: dict[int, RequestOutput] = {}
         kept = [0] * len(ready)
         active, position = list(range(len(ready))), 0
         while active:
-            requests = [ready[i] for i in active]
-            tokens, logprobs, errors = self.sampler(logits[[rows[i] + position for i in active]], requests,
-                                                    grammar if position == 0 else None)
+            sampled = [i for i in active if position == 0 or i not in argmax]
+            results = dict(zip(sampled, zip(*self.sampler(
+                logits[[rows[i] + position for i in sampled]], [ready[i] for i in sampled],
+                grammar if position == 0 else None)))) if sampled else {}
             going = []
-            for i, request, token, lp, error in zip(active, requests, tokens, logprobs, errors):
+            for i in active:
+                request = ready[i]
+                if i in results:
+                    token, lp, error = results[i]
+                else:
+                    token, lp = argmax[i][position - 1], None
+                    error = BAD_LOGITS if token is None else None
                 if error is None and request.grammar is not None:
                     error = self.structured.accept(request, token)
                 if error is not None:  # this row alone failed to sample; the others go on
@@ -306,6 +314,21 @@ class LLMEngine:
                     request.spec.observe(len(drafts[i]), kept[i])
                 self.scheduler.end_verification(request)
         return [failed[i] if i in failed else self.outputs.make_output(r) for i, r in enumerate(ready)]
+
+    @staticmethod
+    def _greedy_draft_tokens(logits: torch.Tensor, ready: list[Request], drafts: list[list[int]],
+                             rows: list[int]) -> dict[int, list[int | None]]:
+        """For greedy requests that nothing else edits (no penalties, token controls, logprobs or
+        grammar), the token at each draft's place: the argmax of its row (None where the row
+        is not finite), all in one call instead of one sampler call per position."""
+        plain = [i for i, r in enumerate(ready) if drafts[i] and r.sampling_params.greedy
+                 and not r.sampling_params.edits_logits and r.sampling_params.logprobs is None
+                 and r.grammar is None]
+        if not plain:
+            return {}
+        best, tokens = logits[[rows[i] + p for i in plain for p in range(1, 1 + len(drafts[i]))]].float().max(dim=-1)
+        found = iter(t if ok else None for t, ok in zip(tokens.tolist(), (best < float("inf")).tolist()))
+        return {i: [next(found) for _ in drafts[i]] for i in plain}
 
     # ~460 prompt tokens and 6 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
     # for a 1B model (start-up waits for it); the 384-token prompt shows the fit attention over a

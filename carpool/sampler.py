@@ -16,6 +16,7 @@ from carpool.structured.masks import GrammarMasks
 
 # A request whose own constraint and token controls leave no token to sample: its error, not the engine's.
 NO_ALLOWED_TOKEN = "sampling failed: no token the structured output allows is left"
+BAD_LOGITS = "sampling failed: the logits became NaN or infinite (check the penalties)"
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -109,7 +110,7 @@ class Sampler:
         # max propagates NaN, so one reduction finds both, and the greedy tokens with them.
         best, tokens = logits.max(dim=-1)
         for i in torch.nonzero(~(best < float("inf"))).flatten().tolist():
-            errors[i] = "sampling failed: the logits became NaN or infinite (check the penalties)"
+            errors[i] = BAD_LOGITS
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]
         if random_rows:
             params = [requests[i].sampling_params for i in random_rows]
