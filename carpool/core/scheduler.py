@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from carpool.core.block_manager import BlockManager
 from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel
 from carpool.request import Request, RequestStatus
+from carpool.spec.acceptance import PRIOR, reachable
 
 
 @dataclass
@@ -310,8 +311,11 @@ class Scheduler:
                 batch.set_drafts(i, request.spec_token_ids[:n])
 
     def draft_size(self, i: int, proposal: list[int], batch: ScheduledBatch) -> int:
-        """How many of entry `i`'s proposed tokens the step takes: here what the budget leaves."""
-        return min(len(proposal), self.budget_left(batch))
+        """How many of entry `i`'s proposed tokens the step takes: those its acceptance record
+        says are likely enough to be kept (spec/acceptance.py), as far as the budget goes."""
+        spec = batch.requests[i].spec  # (a request whose drafts keep failing asks for one probe)
+        likely = len(proposal) if spec is None else max(1, reachable(spec.acceptance, len(proposal)))
+        return min(likely, self.budget_left(batch))
 
     def schedule(self) -> ScheduledBatch:
         raise NotImplementedError
@@ -422,7 +426,7 @@ class SloSarathiScheduler(SarathiScheduler):
         batch is large enough to be compute-bound, a draft costs what a token costs and only the
         likeliest are."""
         limit = min(self.step_limit, self.target_tbt)
-        worth = sorted((r.spec.acceptance ** (j + 1) if r.spec is not None else 0.5, -j, i)
+        worth = sorted(((PRIOR if r.spec is None else r.spec.acceptance) ** (j + 1), -j, i)
                        for i, r in enumerate(batch.requests) if batch.is_decode[i]
                        for j in range(len(r.spec_token_ids)))
         seconds, tokens = self.cost.predict(BatchShape.of(batch)), float(batch.num_decode_tokens)

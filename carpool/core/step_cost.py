@@ -42,25 +42,27 @@ class BatchShape:
     prefills: tuple[tuple[int, int], ...] = ()  # (chunk tokens, tokens already cached)
     decode_contexts: tuple[int, ...] = ()  # context length of each decode, its new token included
     num_sampled: int = 0
+    num_drafts: int = 0  # speculative tokens scored beside the decodes (carpool/spec)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for n, _ in self.prefills) + len(self.decode_contexts)
+        return sum(n for n, _ in self.prefills) + len(self.decode_contexts) + self.num_drafts
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> BatchShape:
         """The shape of a batch as scheduled (before `commit` advances its requests)."""
         prefills, decodes, sampled = [], [], 0
         for r, n, is_decode, drafts in zip(batch.requests, batch.num_tokens, batch.is_decode, batch.drafts):
-            if is_decode:  # with k drafts, k + 1 decode rows (as the model runner runs them)
-                decodes.extend(range(r.num_computed_tokens + 1, r.num_computed_tokens + 2 + len(drafts)))
+            if is_decode:
+                decodes.append(r.num_computed_tokens + 1)
             else:
                 prefills.append((n, r.num_computed_tokens))
-            sampled += 1 + len(drafts) if r.num_computed_tokens + n - len(drafts) == r.num_tokens else 0
-        return cls(tuple(prefills), tuple(decodes), sampled)
+            sampled += r.num_computed_tokens + n - len(drafts) == r.num_tokens
+        return cls(tuple(prefills), tuple(decodes), sampled, batch.num_draft_tokens)
 
     def with_chunk(self, n: int, prefix: int, sampled: bool = False) -> BatchShape:
-        return BatchShape(self.prefills + ((n, prefix),), self.decode_contexts, self.num_sampled + sampled)
+        return BatchShape(self.prefills + ((n, prefix),), self.decode_contexts, self.num_sampled + sampled,
+                          self.num_drafts)
 
 
 # Token counts where the per-token cost may bend (GPU tiles/waves); see the module docstring.
@@ -70,10 +72,14 @@ HINGES = (64, 256, 1024)
 # COMPILE_MIN_TOKENS); on a GPU, CUDA graphs end at a batch size likewise. A 24-token fused step
 # took 16 ms and a 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend.
 SMALL_STEP_TOKENS = 32
+# A draft token costs a token (`tokens`) plus what its own feature learns (its row of attention,
+# of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
+# first drafts are granted and the fit learns their cost from the steps that ran them.
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
-            "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}")
+            "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
+            "drafts")
 # Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
-_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0)
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0, 1e-1)
 
 
 def features(shape: BatchShape) -> list[float]:
@@ -81,7 +87,7 @@ def features(shape: BatchShape) -> list[float]:
     d = shape.decode_contexts
     attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
     raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
-           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS))
+           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts)
     return [x * s for x, s in zip(raw, _SCALE)]
 
 

@@ -1,11 +1,13 @@
-"""How many drafts each request is offered, from how its drafts have fared; and the counters.
+"""How a request's drafts have fared, how many to ask for and to score; and the counters.
 
-A draft is worth scoring when it is likely to be reached and kept. With a per-token acceptance
-rate a, the k-th draft is kept with probability a^k, so a request is offered the longest run of
-drafts whose last one still has MIN_REACH chance (a = 0.9: all 5; a = 0.6: 2; a < 0.25: none).
-The rate is an exponential average over the draft tokens verification saw (kept: 1, the first
-rejected: 0; those after it say nothing). A request offered none proposes one draft every
-PROBE_EVERY steps, so it notices when its output starts repeating.
+The acceptance rate a is an exponential average over the draft tokens verification saw (kept: 1,
+the first rejected: 0; those after it say nothing). A request's j-th draft is then kept with
+chance a^j. A request is asked for the full `num_speculative_tokens` while its first draft is
+worth it (a >= MIN_REACH); the scheduler decides how many of them a step scores: under the
+step-time target, those worth their predicted cost (core/scheduler.py); with a fixed budget, the
+run whose last one still has MIN_REACH chance (`reachable`: a = 0.9: 5 drafts, 0.6: 2). A request
+whose drafts keep failing asks for none, but for one every PROBE_EVERY steps, so it notices when
+its output starts repeating.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ from dataclasses import dataclass, field
 from carpool.request import Request
 
 MIN_REACH = 0.25
-PRIOR = 0.6  # a new request's acceptance: two drafts to start with
+PRIOR = 0.6  # a new request's acceptance
 RATE = 0.3  # weight of each new observation in the average
 PROBE_EVERY = 8
+
+
+def reachable(acceptance: float, limit: int) -> int:
+    """The most drafts (at most `limit`) whose last one is kept with chance MIN_REACH or more."""
+    k, reach = 0, acceptance
+    while k < limit and reach >= MIN_REACH:
+        k += 1
+        reach *= acceptance
+    return k
 
 
 @dataclass
@@ -29,13 +40,9 @@ class SpecState:
 
     def draft_limit(self, num_speculative_tokens: int) -> int:
         """Drafts to ask the proposer for, before the next step."""
-        k, reach = 0, self.acceptance
-        while k < num_speculative_tokens and reach >= MIN_REACH:
-            k += 1
-            reach *= self.acceptance
-        if k:
+        if self.acceptance >= MIN_REACH:
             self.steps_without = 0
-            return k
+            return num_speculative_tokens
         self.steps_without += 1
         if self.steps_without >= PROBE_EVERY:
             self.steps_without = 0

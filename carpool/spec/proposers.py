@@ -24,8 +24,10 @@ class Proposer(Protocol):
 
 
 def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The up to `k` tokens that followed the latest earlier occurrence of the last n tokens,
-    for the largest n in [min_n, max_n] that occurs; [] if none does.
+    """The `k` tokens that followed the latest earlier occurrence of the last n tokens, for the
+    largest n in [min_n, max_n] that occurs; [] if none does. An occurrence that overlaps the
+    last tokens is a repeating run (a loop, a list of the same items): its continuation goes on
+    with the run's period past the end.
 
     The search runs over the tokens as 4-byte words with bytes.rfind (C speed, no copy per n);
     a hit that is not word-aligned is skipped."""
@@ -40,7 +42,10 @@ def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]
         while (i := data.rfind(suffix, 0, end)) >= 0:
             if i % width == 0:
                 start = i // width + n
-                return tokens[start:start + k]
+                out = tokens[start:start + k]
+                for j in range(len(out), k):  # it runs into the end: a repeating run, go on repeating
+                    out.append(out[start + j - size])
+                return out
             end = i + len(suffix) - 1
     return []
 

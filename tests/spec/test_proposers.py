@@ -13,7 +13,10 @@ def reference_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # latest first; something must follow
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                out = list(tokens)
+                for j in range(k):  # as if each guess were right: a repeating run goes on
+                    out.append(out[start + n + j])
+                return out[len(tokens):]
     return []
 
 
@@ -33,6 +36,7 @@ def test_no_match_and_limits():
 def test_ids_that_share_bytes_do_not_match_across_words():
     # 256 = 00 01 00 00 and 1 = 01 00 00 00: a byte search could match inside two words
     assert ngram_lookup([256, 1, 7, 1], 2, 1, 1) == [7, 1]
+    assert ngram_lookup([3, 4, 3, 4, 3], 5, 1, 2) == [4, 3, 4, 3, 4]  # a loop goes on looping
     assert ngram_lookup([1 << 16, 1 << 8, 9, 1], 2, 1, 1) == []
 
 
