@@ -425,6 +425,8 @@ class SloSarathiScheduler(SarathiScheduler):
         batch of one a draft costs a fraction of a token's step and nearly all are taken; once a
         batch is large enough to be compute-bound, a draft costs what a token costs and only the
         likeliest are."""
+        if not any(r.spec_token_ids for r, decode in zip(batch.requests, batch.is_decode) if decode):
+            return
         limit = min(self.step_limit, self.target_tbt)
         worth = sorted(((PRIOR if r.spec is None else r.spec.acceptance) ** (j + 1), -j, i)
                        for i, r in enumerate(batch.requests) if batch.is_decode[i]
