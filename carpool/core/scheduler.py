@@ -419,8 +419,8 @@ class SloSarathiScheduler(SarathiScheduler):
         """Drafts by their worth, with the step-time fit pricing them. A request's j-th draft is
         kept with chance a^j (a: its acceptance record, spec/acceptance.py), so it yields that
         many tokens on average; drafts are taken most likely first while each one's expected
-        tokens per second of predicted step time it adds is at least the step's own rate so far
-        (output tokens over predicted seconds), and the step stays within the target (never the
+        tokens per second of predicted step time it adds is at least the rate of the decodes' own
+        step with the drafts taken so far, and the step stays within the target (never the
         relaxed limit a non-strict step may take for prefills: drafts are optional work). On a
         batch of one a draft costs a fraction of a token's step and nearly all are taken; once a
         batch is large enough to be compute-bound, a draft costs what a token costs and only the
@@ -431,7 +431,11 @@ class SloSarathiScheduler(SarathiScheduler):
         worth = sorted(((PRIOR if r.spec is None else r.spec.acceptance) ** (j + 1), -j, i)
                        for i, r in enumerate(batch.requests) if batch.is_decode[i]
                        for j in range(len(r.spec_token_ids)))
-        seconds, tokens = self.cost.predict(BatchShape.of(batch)), float(batch.num_decode_tokens)
+        shape = BatchShape.of(batch)
+        before = self.cost.predict(shape)
+        # The rate to match: the decodes' own step (a step's prefill chunks make nobody's tokens).
+        seconds = self.cost.predict(BatchShape(decode_contexts=shape.decode_contexts))
+        tokens = float(batch.num_decode_tokens)
         cap = min(self.max_num_batched_tokens, self.cost.trusted_tokens())
         for gain, j, i in reversed(worth):
             proposal, taken = batch.requests[i].spec_token_ids, len(batch.drafts[i])
@@ -439,10 +443,10 @@ class SloSarathiScheduler(SarathiScheduler):
                 continue  # an earlier draft of this request was not taken (or no room is left)
             batch.set_drafts(i, proposal[:taken + 1])
             after = self.cost.predict(BatchShape.of(batch))
-            if after * self.cost.margin > limit or gain * seconds < tokens * (after - seconds):
+            if after * self.cost.margin > limit or gain * seconds < tokens * (after - before):
                 batch.set_drafts(i, proposal[:taken])
                 continue
-            seconds, tokens = after, tokens + gain
+            seconds, tokens, before = seconds + after - before, tokens + gain, after
         for i, request in enumerate(batch.requests):
             drafts = batch.drafts[i]
             if drafts and not self.block_manager.allocate(request, request.num_computed_tokens + 1 + len(drafts)):
