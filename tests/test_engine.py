@@ -329,7 +329,9 @@ def test_a_latency_target_starts_with_a_fitted_step_cost(engine_fp32, monkeypatc
     from carpool.core.step_cost import BatchShape
 
     monkeypatch.setattr(engine_fp32, "CALIBRATION_PROMPTS", (16, 48, 96))  # fewer tokens: fp32 is slow
-    with scheduler_config(engine_fp32, budget=512, target_tbt=0.3) as engine:
+    # A target far above any of these steps: the chunks follow the fit's trust region alone, not
+    # how busy the host is while the fit is young.
+    with scheduler_config(engine_fp32, budget=512, target_tbt=5.0) as engine:
         engine._calibrate_step_cost()
         cost = engine.scheduler.cost
         assert cost.ready and cost.max_tokens_seen >= 64

@@ -21,6 +21,7 @@ def result(tmp_path_factory, model_path):
     return out, json.loads((out / "spec.json").read_text())
 
 
+@pytest.mark.slow  # three engines from the embedded model, every workload: ~20 s
 def test_writes_json_and_plot(result):
     out, r = result
     assert (out / "spec.png").stat().st_size > 10_000

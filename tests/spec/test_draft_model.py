@@ -58,6 +58,7 @@ def target(request_id: str, token_ids: list[int]) -> Request:
     return request
 
 
+@pytest.mark.slow  # a second copy of the embedded model as the draft: ~12 s
 def test_self_drafting_keeps_greedy_outputs(self_drafting, prompts, plain):
     assert run_greedy(self_drafting, prompts, MAX_TOKENS) == plain
     stats = self_drafting.spec_stats

@@ -52,6 +52,7 @@ def test_greedy_equals_no_speculation_with_chunked_prefill(engine_fp32):
     assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
 
 
+@pytest.mark.slow  # ~10 s; the property test below also runs with a 12-block KV cache
 def test_greedy_equals_no_speculation_through_preemption(engine_fp32):
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     with scheduler_config(engine_fp32, budget=64, num_blocks=14) as engine:
