@@ -424,8 +424,9 @@ class SloSarathiScheduler(SarathiScheduler):
         relaxed limit a non-strict step may take for prefills: drafts are optional work). On a
         batch of one a draft costs a fraction of a token's step and nearly all are taken; once a
         batch is large enough to be compute-bound, a draft costs what a token costs and only the
-        likeliest are."""
-        if not any(r.spec_token_ids for r, decode in zip(batch.requests, batch.is_decode) if decode):
+        likeliest are. A step that carries a prefill chunk takes none: drafts would lengthen it,
+        and that chunk (its stream's first token) and every decode in it would wait for them."""
+        if batch.num_prefill_tokens or not any(r.spec_token_ids for r, d in zip(batch.requests, batch.is_decode) if d):
             return
         limit = min(self.step_limit, self.target_tbt)
         worth = sorted(((PRIOR if r.spec is None else r.spec.acceptance) ** (j + 1), -j, i)
