@@ -163,6 +163,7 @@ def test_engine_arguments_are_mapped_or_ignored_with_a_warning(caplog):
 REPEATING = ", ".join(map(str, range(1, 41))) + "\n" + ", ".join(map(str, range(1, 21))) + ","
 
 
+@pytest.mark.slow  # its own fp32 engine: ~9 s (tests/spec and tests/server/test_server_spec.py cover the same in the default tier)
 def test_speculative_config_keeps_greedy_output(llm, model_path):
     """vLLM's `LLM(speculative_config=...)`: n-gram drafts from the prompt's own repetition are
     scored and kept, and greedy output is the output of the same engine without them."""

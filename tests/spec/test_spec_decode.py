@@ -43,7 +43,7 @@ def both_ways(engine, prompts, params, k: int = 4):
 
 
 def test_greedy_equals_no_speculation_with_chunked_prefill(engine_fp32):
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with scheduler_config(engine_fp32, budget=24), nan_in_unwritten_blocks(engine_fp32):
         off, on, stats = both_ways(engine_fp32, REPEATING, sp)
         assert engine_fp32.block_manager.holders() == {}
