@@ -268,11 +268,6 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def parse_speculative_config(text: str) -> SpeculativeConfig | None:
-    """--speculative-config: vLLM's JSON object (see SpeculativeConfig)."""
-    return SpeculativeConfig.parse(text)
-
-
 @dataclass
 class EngineConfig:
     """Everything `LLMEngine` needs. Each field is a command-line flag of the same name (as vLLM
@@ -334,7 +329,7 @@ class EngineConfig:
         "help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
                 "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, ...}. Drafts "
                 "take what each step's token budget leaves after decodes and prefill chunks",
-        "type": parse_speculative_config})
+        "type": SpeculativeConfig.parse})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "shard every layer over this many worker processes", "short": "-tp"})
     pipeline_parallel_size: int = field(default=1, metadata={
