@@ -17,6 +17,7 @@ another workload or in another process gets wrong (one calibration factor for ev
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -61,6 +62,14 @@ def errors_by_kind(predicted: list[float], measured: list[float], shapes: list[B
             # signed medians by kind: a bias on one kind shifts TTFT (prefills) or TBT (decodes)
             "prefill_iteration_bias": float(np.median(signed[with_prefill])) if with_prefill.any() else None,
             "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None}
+
+
+def step_record(shape: BatchShape, measured: float, profile: float, online: float) -> dict:
+    """One real step as `steps.csv` lists it: its shape's summary and the three times."""
+    return {"tokens": shape.num_tokens, "prefill_tokens": sum(n for n, _ in shape.prefills),
+            "chunks": len(shape.prefills), "decodes": len(shape.decode_contexts),
+            "longest_context": max([*shape.decode_contexts, *(n + p for n, p in shape.prefills)], default=0),
+            "drafts": shape.num_drafts, "measured_s": measured, "profile_s": profile, "online_s": online}
 
 
 def latency_errors(real_summary, sim_summary) -> dict:
@@ -114,6 +123,7 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
     fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
     return {
         "scheduler": spec.label,
+        "steps": [step_record(sh, m, p, o) for sh, m, p, o in zip(shapes, measured, predicted, online)],
         "iterations": len(steps),
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
@@ -134,6 +144,11 @@ def run_fidelity(config, args) -> dict:
     results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    with (out / "steps.csv").open("w", newline="") as f:  # every step, to see where the errors sit
+        rows = [{"scheduler": r["scheduler"], **step} for r in results for step in r.pop("steps")]
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["scheduler"])
+        writer.writeheader()
+        writer.writerows(rows)
     (out / "fidelity.json").write_text(json.dumps({"profile": args.profile, "results": results}, indent=2))
     lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | "
              "TTFT P50 real / sim (err) | "

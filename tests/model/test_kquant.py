@@ -103,9 +103,10 @@ def test_integer_kernel_is_dequantized_weights_times_int8_activations(qtype, dty
 @pytest.mark.skipif(not cpu_kernels.has_kq_tiles(), reason="needs AVX512-BF16 and VBMI")
 @settings(max_examples=examples(24), deadline=None)
 @given(qtype=st.sampled_from(TYPES), blocks=st.integers(1, 5), rows_short=st.integers(0, 15),
-       tokens=st.integers(1, 30), threads=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+       tokens=st.integers(1, 50), threads=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
 def test_tile_kernel_is_bf16_weights_times_bf16_activations(qtype, blocks, rows_short, tokens, threads, seed):
-    """Any row count (odd block counts, a part-filled last block) and token count (every tile size)."""
+    """Any row count (odd block counts, a part-filled last block) and token count (every tile size;
+    on AMX, one and two token tiles per pass, the last part-filled)."""
     n, k = max(1, blocks * 16 - rows_short), 256
     codes, _ = random_codes(qtype, n, k, seed=seed)
     w = torch.from_numpy(gguf_codes.dequantize(codes)).bfloat16().double()

@@ -117,6 +117,15 @@ static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_
 }
 #endif
 
+#if defined(__AMX_TILE__)
+/* AMX's tile configuration (palette 1): rows and bytes per row of each of the 8 tiles. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+#endif
+
 /* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
 
 /* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */

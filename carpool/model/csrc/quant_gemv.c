@@ -191,12 +191,10 @@ static inline __attribute__((always_inline)) void int8_block(
    kernel, in the same order: the two kernels' outputs are equal bit for bit. The sums leave the
    tile unit once per group, since every group has its own scales; that fp32 pass and the tile
    stores, not the products, are most of the time: 0.7-1.0x the VNNI kernel's time from 16 tokens
-   (slower below: a part-used tile costs a whole one), so it runs whole tiles only. Past
-   ~32 tokens oneDNN's bf16 GEMM on the dense copy beats both (model/quant.py chooses).
-   Widening a block's codes to bf16 for AMX's bf16 unit instead (no per-group step) was tried and
-   not kept: the widening alone cost about what streaming the dense copy's bf16 weights costs, so
-   it was at best on par with the dense GEMM around 32 tokens and slower than it or the integer
-   kernels elsewhere (Intel Xeon with AMX, 2 threads, 2026-12-01). */
+   (slower below: a part-used tile costs a whole one), so it runs whole tiles only. From
+   quant.TILE_FROM tokens the layers take kquant.c's tile kernel instead, which widens a block's
+   codes to bf16 once and, on AMX, multiplies them on the bf16 unit: no per-group step, and the
+   widening is spread over the chunk's tokens. */
 
 /* Linux gives the 8 KB of tile state only to a process that asks (once; then every thread). */
 static int amx_permitted(void) {
@@ -204,12 +202,6 @@ static int amx_permitted(void) {
     if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return permitted;
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Two sets of tiles (sums, activations, weights), for two groups in flight. */
 static void configure_tiles(void) {
