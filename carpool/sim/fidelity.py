@@ -17,7 +17,6 @@ another workload or in another process gets wrong (one calibration factor for ev
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -53,6 +52,11 @@ def one_step_ahead(cost: ProfiledCostModel, shapes: list[BatchShape], measured: 
     return predicted, fit
 
 
+def idle_before(steps) -> list[float]:
+    """Seconds each step's engine sat idle (no step running) before it started; 0 for the first."""
+    return [0.0] + [max(0.0, b.start_time - (a.start_time + a.duration)) for a, b in zip(steps, steps[1:])]
+
+
 def errors_by_kind(predicted: list[float], measured: list[float], shapes: list[BatchShape]) -> dict:
     signed = (np.array(predicted) - np.array(measured)) / np.array(measured)
     errors = np.abs(signed)
@@ -64,12 +68,12 @@ def errors_by_kind(predicted: list[float], measured: list[float], shapes: list[B
             "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None}
 
 
-def step_record(shape: BatchShape, measured: float, profile: float, online: float) -> dict:
-    """One real step as `steps.csv` lists it: its shape's summary and the three times."""
-    return {"tokens": shape.num_tokens, "prefill_tokens": sum(n for n, _ in shape.prefills),
-            "chunks": len(shape.prefills), "decodes": len(shape.decode_contexts),
-            "longest_context": max([*shape.decode_contexts, *(n + p for n, p in shape.prefills)], default=0),
-            "drafts": shape.num_drafts, "measured_s": measured, "profile_s": profile, "online_s": online}
+def step_record(shape: BatchShape, measured: float, idle_before: float, profile: float, online: float) -> dict:
+    """One real step as `steps.jsonl` lists it: its whole shape, the idle time before it, and
+    the measured and predicted times."""
+    return {"prefills": [list(c) for c in shape.prefills], "decode_contexts": list(shape.decode_contexts),
+            "num_sampled": shape.num_sampled, "num_drafts": shape.num_drafts, "idle_before_s": idle_before,
+            "measured_s": measured, "profile_s": profile, "online_s": online}
 
 
 def latency_errors(real_summary, sim_summary) -> dict:
@@ -123,7 +127,7 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
     fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
     return {
         "scheduler": spec.label,
-        "steps": [step_record(sh, m, p, o) for sh, m, p, o in zip(shapes, measured, predicted, online)],
+        "steps": [step_record(*record) for record in zip(shapes, measured, idle_before(steps), predicted, online)],
         "iterations": len(steps),
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
@@ -144,11 +148,10 @@ def run_fidelity(config, args) -> dict:
     results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "steps.csv").open("w", newline="") as f:  # every step, to see where the errors sit
-        rows = [{"scheduler": r["scheduler"], **step} for r in results for step in r.pop("steps")]
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["scheduler"])
-        writer.writeheader()
-        writer.writerows(rows)
+    with (out / "steps.jsonl").open("w") as f:  # every step, to see where the errors sit
+        for r in results:
+            for step in r.pop("steps"):
+                f.write(json.dumps({"scheduler": r["scheduler"], **step}) + "\n")
     (out / "fidelity.json").write_text(json.dumps({"profile": args.profile, "results": results}, indent=2))
     lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | "
              "TTFT P50 real / sim (err) | "
