@@ -446,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("fidelity", help="simulator vs the real engine on the same workload (this machine)")
-    from carpool.harness.options import add_workload_args, positive_float, scheduler_list
+    from carpool.harness.options import add_workload_args, positive_float, positive_int, scheduler_list
 
-    p.add_argument("--profile", default="bench_results/profile.csv", help="from `carpool profile`")
+    p.add_argument("--profile", default="bench_results/profile.json", help="from `carpool profile`")
     p.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi,vllm"))
     p.add_argument("--qps", type=positive_float, default=1.0)
     p.add_argument("--output", default="bench_results/fidelity")
@@ -456,10 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_fidelity)
 
-    p = sub.add_parser("profile", help="measure this machine's model runner for the simulator's cost model")
-    p.add_argument("--output", default="bench_results/profile.csv")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="every other grid point")
+    p = sub.add_parser("profile", help="time the engine's steps on this machine, for the simulator's cost model")
+    p.add_argument("--output", default="bench_results/profile.json")
+    p.add_argument("--repeats", type=positive_int, default=3, help="passes over the designed workloads")
+    p.add_argument("--quick", action="store_true", help="every other workload")
     add_engine_args(p)
     p.set_defaults(func=cmd_profile)
     return parser

@@ -362,12 +362,12 @@ class LLMEngine:
         held as an SLO when given, as a comfort level when it is the default."""
         if config.target_tbt is None:
             return {}
-        from carpool.core.cost_profile import ProfiledCostModel
+        from carpool.core.cost_profile import FittedCostModel
         from carpool.core.step_cost import StepCostModel, seeded_step_cost
 
         cost, sizes = StepCostModel(), None
         if config.cost_profile:
-            profile = ProfiledCostModel.load(config.cost_profile)
+            profile = FittedCostModel.load(config.cost_profile)
             cost, sizes = seeded_step_cost(profile, config.max_num_batched_tokens, self.max_model_len)
         return {"target_tbt": config.target_tbt, "cost": cost, "chunk_sizes": sizes,
                 "strict": config.target_tbt_ms is not None}

@@ -1,155 +1,97 @@
-"""This machine's step cost as measured by `carpool profile`: the CSV table, and predictions from it.
+"""This machine's step cost, as `carpool profile` measured it: whole engine steps, and a fit over them.
 
-`ProfiledCostModel` reads the table and predicts the time of a batch from its shape. The engine
-seeds its step-time fit from it (`--cost-profile`, see `step_cost.seeded_step_cost`), the
-simulator runs on it (`carpool simulate --cost-model profile`), and `carpool profile` writes it
-with `Profile`.
+`carpool profile` (sim/profile.py) has the engine serve designed workloads and records every
+step it ran: the batch's shape and the step's measured time, which holds all the per-step work
+the engine does (scheduling, the forward down whichever path the runner picks for that many
+tokens, the LM head, sampling, detokenizing and stop checks). `FittedCostModel.load` fits the
+step-time model the SLO policy also learns online (step_cost.StepCostModel) to those steps at
+once, every step weighted alike, and predicts from it. The engine seeds its own fit from it
+(`--cost-profile`, see `step_cost.seeded_step_cost`), the simulator runs on it (`carpool
+simulate --cost-model profile`), and `carpool fidelity` checks it against real runs.
 
-Interpolation rather than a fitted black box: the profiles are dense where serving lives
-(token counts up to the budget, contexts up to a few thousand), piecewise-linear interpolation
-reproduces their kinks (tile and wave quantisation) that a smooth fit would blur, and every
-prediction can be traced to two measured points.
+Why whole steps: an earlier profile timed the parts one at a time (the linear layers with a
+stand-in for attention, attention alone, the LM head) and scaled their sum by one calibration
+factor for every shape. The parts ran down other paths than serving runs (the stand-in forced
+the eager layers) and the factor, taken on one workload, mis-scaled the others: 0.72 on Intel
+Xeon with AMX, which left a workload's decode steps 21% short and its prefill steps 34% short
+(BENCHMARKS.md "Simulator fidelity").
 """
 
 from __future__ import annotations
 
-import bisect
-import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.core.step_cost import BatchShape
+from carpool.core.step_cost import BatchShape, StepCostModel
 
-
-def interp1(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear; linear extrapolation from the end segments."""
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-@dataclass
-class Grid2:
-    """Bilinear interpolation over a full grid z[i][j] at (xs[i], ys[j])."""
-
-    xs: list[float]
-    ys: list[float]
-    z: list[list[float]]
-
-    def __call__(self, x: float, y: float) -> float:
-        col = [interp1(self.ys, row, y) for row in self.z]
-        return interp1(self.xs, col, x)
-
-
-PROFILE_COLUMNS = ("op", "x", "y", "seconds")
-
-
-@dataclass
-class ProfiledCostModel:
-    """Predicts from `carpool profile` tables of the real runner (whole model, one process):
-
-    linear(tokens)            every non-attention op of all layers, embedding included
-    prefill_attn(chunk, prefix)   attention of one prefill chunk, all layers
-    decode_attn(batch, context)  batched decode attention, all layers, equal contexts; a real
-                              batch is looked up at its longest context, since the CPU kernel
-                              pads every row to it (a mean under-predicted mixed batches ~2x)
-    decode_step(batch, context)  a whole decode-only forward, where the runner fuses small steps
-                              into one call (model/fused_layers.py), equal contexts; a step of
-                              up to its largest batch in tokens takes it instead of the parts:
-                              there a chunk token costs what a decode at its context does, so
-                              a hybrid step is looked up at its token count and longest context
-    sample(rows)              LM head + sampling for the rows sampled
-    overhead                  per-iteration CPU work outside the model (scheduling, inputs)
-    calibration               measured / predicted step time on real engine steps (median)
-
-    The parts are timed one at a time; a whole step runs them interleaved (caches, allocator,
-    the other core), which costs more than their sum. `calibration` is that ratio, measured on
-    real engine steps when the profile is taken, and scales every prediction.
-
-    Pipeline stages split layers evenly: each stage gets 1/num_stages of the layer-wise terms;
-    the last also samples."""
-
-    linear: tuple[list[float], list[float]]
-    prefill_attn: Grid2
-    decode_attn: Grid2
-    sample: tuple[list[float], list[float]]
-    overhead: float
-    calibration: float = 1.0
-    num_stages: int = 1
-    source: str = ""
-    decode_step: Grid2 | None = None
-
-    def stage_time(self, shape: BatchShape, stage: int) -> float:
-        decodes = len(shape.decode_contexts)
-        if self.decode_step is not None and 0 < shape.num_tokens <= self.decode_step.xs[-1]:
-            contexts = [*shape.decode_contexts, *(p + n for n, p in shape.prefills)]
-            t = self.decode_step(shape.num_tokens, max(contexts))
-        else:
-            t = interp1(*self.linear, shape.num_tokens) if shape.num_tokens else 0.0
-            t += sum(self.prefill_attn(n, p) for n, p in shape.prefills)
-            if decodes:
-                t += self.decode_attn(decodes, max(shape.decode_contexts))
-        t /= self.num_stages
-        if stage == self.num_stages - 1:
-            t += (interp1(*self.sample, shape.num_sampled) if shape.num_sampled else 0.0) + self.overhead
-        return max(t * self.calibration, 0.0)
-
-    @classmethod
-    def load(cls, path: str | Path, num_stages: int = 1) -> ProfiledCostModel:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"profile {path} not found; create it with `carpool profile --output {path}`")
-        rows: dict[str, list[tuple[float, float, float]]] = {}
-        with path.open() as f:
-            reader = csv.DictReader(f)
-            if tuple(reader.fieldnames or ()) != PROFILE_COLUMNS:
-                raise ValueError(f"{path}: expected columns {','.join(PROFILE_COLUMNS)}, got {reader.fieldnames}")
-            for line, row in enumerate(reader, start=2):
-                try:
-                    x, y, s = float(row["x"]), float(row["y"] or 0), float(row["seconds"])
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{line}: not a number in {row}") from e
-                if not (math.isfinite(s) and s >= 0):
-                    raise ValueError(f"{path}:{line}: bad time {row['seconds']!r}")
-                rows.setdefault(row["op"], []).append((x, y, s))
-        missing = {"linear", "prefill_attn", "decode_attn", "sample", "overhead"} - rows.keys()
-        if missing:
-            raise ValueError(f"{path}: no rows for {', '.join(sorted(missing))}")
-
-        def curve(op):
-            pts = sorted((x, s) for x, _, s in rows[op])
-            return [p[0] for p in pts], [p[1] for p in pts]
-
-        def grid(op):
-            xs = sorted({x for x, _, _ in rows[op]})
-            ys = sorted({y for _, y, _ in rows[op]})
-            table = {(x, y): s for x, y, s in rows[op]}
-            if len(table) != len(xs) * len(ys):
-                raise ValueError(f"{path}: {op} is not a full grid over its x and y values")
-            return Grid2(xs, ys, [[table[(x, y)] for y in ys] for x in xs])
-
-        calibration = rows["calibration"][0][2] if "calibration" in rows else 1.0
-        return cls(curve("linear"), grid("prefill_attn"), grid("decode_attn"), curve("sample"),
-                   rows["overhead"][0][2], calibration, num_stages, source=str(path),
-                   decode_step=grid("decode_step") if "decode_step" in rows else None)
+PROFILE_FORMAT = "carpool-profile/2"
 
 
 @dataclass
 class Profile:
-    """Rows being collected by `carpool profile`."""
+    """Steps measured by `carpool profile`: (shape, seconds), and where they were measured."""
 
-    rows: list[tuple[str, float, float, float]] = field(default_factory=list)
+    steps: list[tuple[BatchShape, float]] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # cpu, model, threads, ...: for readers, not for fitting
 
-    def add(self, op: str, x: float, y: float, seconds: float) -> None:
-        self.rows.append((op, x, y, seconds))
+    def add(self, shape: BatchShape, seconds: float) -> None:
+        self.steps.append((shape, seconds))
 
     def write(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(PROFILE_COLUMNS)
-            w.writerows(self.rows)
+        steps = [{"prefills": [list(c) for c in s.prefills], "decode_contexts": list(s.decode_contexts),
+                  "num_sampled": s.num_sampled, "num_drafts": s.num_drafts, "seconds": t} for s, t in self.steps]
+        path.write_text(json.dumps({"format": PROFILE_FORMAT, "meta": self.meta, "steps": steps}, indent=None))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"profile {path} not found; create it with `carpool profile --output {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a carpool profile ({e}); `carpool profile` writes one") from e
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{path}: not a {PROFILE_FORMAT} profile; take a new one with `carpool profile`")
+        profile = cls(meta=data.get("meta") or {})
+        for i, step in enumerate(data.get("steps") or []):
+            try:
+                shape = BatchShape(tuple((int(n), int(p)) for n, p in step["prefills"]),
+                                   tuple(int(c) for c in step["decode_contexts"]), int(step["num_sampled"]),
+                                   int(step.get("num_drafts", 0)))
+                seconds = float(step["seconds"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: step {i} is malformed: {step!r}") from e
+            if not (math.isfinite(seconds) and seconds > 0) or shape.num_tokens == 0:
+                raise ValueError(f"{path}: step {i} has no tokens or a bad time {seconds!r}")
+            profile.add(shape, seconds)
+        if not profile.steps:
+            raise ValueError(f"{path}: holds no steps")
+        return profile
+
+
+@dataclass
+class FittedCostModel:
+    """A `StepCostModel` frozen as a cost model: fitted to a profile's steps (`load`), or taken
+    as it stood after a real run (`carpool fidelity`). Layers split evenly over pipeline stages."""
+
+    fit: StepCostModel
+    num_stages: int = 1
+    source: str = ""
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        return max(self.fit.predict(shape), 0.0) / self.num_stages
+
+    @classmethod
+    def from_profile(cls, profile: Profile, num_stages: int = 1, source: str = "") -> FittedCostModel:
+        fit = StepCostModel(decay=1.0)  # a profile's steps all count: none is older than another
+        fit.fit_steps(profile.steps)
+        return cls(fit, num_stages, source)
+
+    @classmethod
+    def load(cls, path: str | Path, num_stages: int = 1) -> FittedCostModel:
+        return cls.from_profile(Profile.load(path), num_stages, source=str(path))

@@ -212,10 +212,14 @@ class StepCostModel:
     def seed(self, predict: Callable[[BatchShape], float], shapes: Iterable[BatchShape], weight: float = 1.0) -> int:
         """Start from a profiled cost model: fit its predictions over `shapes` (each counted as
         `weight` observations; real steps replace them as the decay forgets them)."""
+        return self.fit_steps(((shape, predict(shape)) for shape in shapes), weight)
+
+    def fit_steps(self, steps: Iterable[tuple[BatchShape, float]], weight: float = 1.0) -> int:
+        """Add (shape, seconds) points at once, each counted as `weight` observations, and solve
+        once. Returns how many were usable."""
         n = 0
-        for shape in shapes:
-            seconds = predict(shape)
-            if not (math.isfinite(seconds) and seconds > 0):
+        for shape, seconds in steps:
+            if not (math.isfinite(seconds) and seconds > 0) or shape.num_tokens == 0:
                 continue
             self._add(features(shape), seconds, weight / seconds**2)
             self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)

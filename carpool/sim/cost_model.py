@@ -5,9 +5,8 @@ chunks with their cached prefixes, decodes with their contexts, rows sampled) an
 time of one pipeline stage. The simulator runs on any of:
 
 - `FormulaCostModel`: a known closed form, for tests that check timelines by hand.
-- `FittedCostModel`: a step-time fit learned on real engine steps, frozen (`carpool fidelity`).
-- `ProfiledCostModel` (carpool/core/cost_profile.py): tables measured on this machine by
-  `carpool profile`, interpolated.
+- `FittedCostModel` (carpool/core/cost_profile.py): the step-time fit over whole engine steps
+  measured on this machine by `carpool profile`, or learned during a real run (`carpool fidelity`).
 - `GpuCostModel` (gpu.py): operator timings measured on A100/H100 plus roofline attention.
 """
 
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from carpool.core.step_cost import BatchShape, StepCostModel
+from carpool.core.step_cost import BatchShape
 
 
 @dataclass
@@ -33,15 +32,3 @@ class FormulaCostModel:
         context = sum(c for c in shape.decode_contexts) + sum(n * (p + n) for n, p in shape.prefills)
         t = (self.fixed + self.per_token * shape.num_tokens + self.per_context * context) / self.num_stages
         return t + (self.per_sample * shape.num_sampled if stage == self.num_stages - 1 else 0.0)
-
-
-@dataclass
-class FittedCostModel:
-    """A `StepCostModel` fitted on real steps, frozen, as a simulator's cost model (layers split
-    evenly over pipeline stages)."""
-
-    fit: StepCostModel
-    num_stages: int = 1
-
-    def stage_time(self, shape: BatchShape, stage: int) -> float:
-        return max(self.fit.predict(shape), 0.0) / self.num_stages

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.core.cost_profile import ProfiledCostModel
+from carpool.config import DEFAULT_TARGET_TBT_MS
+from carpool.core.cost_profile import FittedCostModel
 from carpool.core.step_cost import BatchShape, StepCostModel, seeded_step_cost, step_time
 from carpool.engine import LLMEngine
 from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
 from carpool.harness.options import SchedulerSpec
 from carpool.harness.workload import PromptSource, build_workload
-from carpool.sim.cost_model import FittedCostModel
 from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
 
@@ -40,7 +40,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
-def one_step_ahead(cost: ProfiledCostModel, shapes: list[BatchShape], measured: list[float], budget: int,
+def one_step_ahead(cost: FittedCostModel, shapes: list[BatchShape], measured: list[float], budget: int,
                    max_model_len: int) -> tuple[list[float], StepCostModel]:
     """The online fit's prediction for each step made before that step is observed (seeded
     from the profile, as `--cost-profile` seeds the engine's): an out-of-sample error."""
@@ -85,7 +85,7 @@ def latency_errors(real_summary, sim_summary) -> dict:
     return latency
 
 
-def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, args) -> dict:
+def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args) -> dict:
     """The profile's predictions, and the online fit's (`sarathi:dynamic`: the engine's own
     policy seeded from the profile; its simulation starts from the same seed)."""
     from carpool.core.scheduler import make_scheduler
@@ -95,7 +95,7 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
     target = None
     dynamic = {}
     if spec.dynamic:
-        target = args.target_tbt_ms / 1e3 if args.target_tbt_ms else 5 * ref
+        target = (args.target_tbt_ms or DEFAULT_TARGET_TBT_MS) / 1e3  # the engine's own default
         fit, sizes = seeded_step_cost(cost, budget, engine.max_model_len)
         dynamic = dict(target_tbt=target, cost=fit, chunk_sizes=sizes)
     engine.scheduler = make_scheduler(scheduler, engine.block_manager, budget, args.max_num_seqs,
@@ -144,7 +144,7 @@ def compare(engine: LLMEngine, cost: ProfiledCostModel, spec: SchedulerSpec, arg
 
 def run_fidelity(config, args) -> dict:
     engine = LLMEngine(config)
-    cost = ProfiledCostModel.load(args.profile)
+    cost = FittedCostModel.load(args.profile)
     results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

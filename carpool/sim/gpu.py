@@ -15,14 +15,23 @@ the ratio of its FLOPs per token (QKV, output projection, MLP up and down separa
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.core.cost_profile import interp1
 from carpool.core.step_cost import BatchShape
 from carpool.data import PROFILES_DIR
+
+
+def interp1(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear; linear extrapolation from the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from carpool.core.cost_profile import ProfiledCostModel
+from carpool.core.cost_profile import FittedCostModel
 from carpool.core.step_cost import BatchShape, CostModel
 from carpool.harness.capacity import Evaluation, parse_slo, search_capacity
 from carpool.harness.metrics import IterationRecord, RequestTimeline, summarize, write_report
@@ -93,7 +93,7 @@ def prefix_cache_report(summary) -> dict:
 
 def build_cost_model(args) -> tuple[CostModel, list[str]]:
     if args.cost_model == "profile":
-        return ProfiledCostModel.load(args.profile, num_stages=args.pp), [f"cost model: profile {args.profile}"]
+        return FittedCostModel.load(args.profile, num_stages=args.pp), [f"cost model: profile {args.profile}"]
     if args.gpu not in GPUS:
         raise ValueError(f"unknown GPU {args.gpu!r}; choose {', '.join(GPUS)}")
     kwargs = {"profiles": Path(args.profiles_dir)} if args.profiles_dir else {}
@@ -223,7 +223,7 @@ def add_simulate_args(p) -> None:
     g = p.add_argument_group("deployment")
     g.add_argument("--cost-model", choices=("profile", "gpu"), default="profile",
                    help="profile: this machine's `carpool profile` CSV; gpu: A100/H100 operator profiles")
-    g.add_argument("--profile", default="bench_results/profile.csv")
+    g.add_argument("--profile", default="bench_results/profile.json")
     g.add_argument("--gpu", default="a100", help="a100 or h100 (cost-model gpu)")
     g.add_argument("--model-shape", default="mistral-7b",
                    help="built-in shape (mistral-7b, yi-34b, llama-2-70b, falcon-180b, gpt-3-175b, ...) "

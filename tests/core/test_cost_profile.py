@@ -1,106 +1,83 @@
-"""`carpool profile` tables: the file format, interpolation, predictions from them."""
+"""`carpool profile` files: the format, its errors, and the cost model fitted to them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from carpool.core.cost_profile import Grid2, Profile, ProfiledCostModel, interp1
-from carpool.core.step_cost import BatchShape
+from carpool.core.cost_profile import FittedCostModel, Profile
+from carpool.core.step_cost import BatchShape, features
+
+SHAPES = [BatchShape(decode_contexts=(c,) * d, num_sampled=d) for d in (1, 4, 16, 32) for c in (128, 1024)] + \
+         [BatchShape(((n, p),), (300,) * d, d + 1) for n in (16, 64, 256, 1024, 2000) for p in (0, 512) for d in (0, 8)]
 
 
-def test_interpolation():
-    assert interp1([1, 3], [10, 30], 2) == 20
-    assert interp1([1, 3], [10, 30], 5) == 50  # linear extrapolation
-    g = Grid2([0, 2], [0, 10], [[0, 10], [20, 30]])
-    assert g(1, 5) == 15
+def linear_cost(weights: list[float]):
+    """A step time that the fit's features span exactly."""
+    return lambda shape: sum(w * x for w, x in zip(weights, features(shape)))
 
 
-def write_profile(path, **overrides):
-    prof = Profile()
-    for n in (1, 64, 512):
-        prof.add("linear", n, 0, overrides.get("linear", 0.01 + n * 1e-4))
-    for n in (1, 512):
-        for p in (0, 1024):
-            prof.add("prefill_attn", n, p, 1e-6 * n * (p + n))
-    for d in (1, 32):
-        for c in (16, 2048):
-            prof.add("decode_attn", d, c, 1e-6 * d * c)
-    for rows in (1, 64):
-        prof.add("sample", rows, 0, 1e-3 * rows)
-    prof.add("overhead", 0, 0, 0.002)
-    prof.write(path)
+WEIGHTS = [4e-3, 0.6, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 0.4, 8e-3, 0.0]
 
 
-def test_profiled_model_predicts_from_its_tables(tmp_path):
-    path = tmp_path / "p.csv"
-    write_profile(path)
-    model = ProfiledCostModel.load(path)
-    shape = BatchShape(prefills=((256, 0),), decode_contexts=(100, 300), num_sampled=3)
-    linear = interp1([1, 64, 512], [0.01 + n * 1e-4 for n in (1, 64, 512)], 258)
-    prefill = interp1([1, 512], [1e-6 * 1 * 1, 1e-6 * 512 * 512], 256)  # bilinear: at prefix 0
-    expected = linear + prefill + 1e-6 * 2 * 300 + 3e-3 + 0.002  # decode: 2 rows padded to the longest
-    assert model.stage_time(shape, 0) == pytest.approx(expected)
-    two = ProfiledCostModel.load(path, num_stages=2)
-    assert two.stage_time(shape, 0) + two.stage_time(shape, 1) == pytest.approx(expected)
+def write_profile(path, cost=linear_cost(WEIGHTS)) -> Profile:
+    profile = Profile(meta={"cpu": "test"})
+    for shape in SHAPES:
+        profile.add(shape, cost(shape))
+    profile.write(path)
+    return profile
 
 
-def test_small_steps_take_the_whole_step_table(tmp_path):
-    """Where the runner fuses small forwards, the profile times decode-only ones whole
-    (decode_step); hybrid steps within it count each chunk token as a decode at the step's
-    longest context; bigger steps still add up the parts."""
-    path = tmp_path / "p.csv"
-    write_profile(path)
-    with path.open("a") as f:
-        for d in (1, 8):
-            for c in (16, 2048):
-                f.write(f"decode_step,{d},{c},{0.004 * d + 1e-6 * c}\n")
-    model, parts = ProfiledCostModel.load(path), ProfiledCostModel.load(path)
-    parts.decode_step = None
-    assert model.decode_step is not None
-    decodes = BatchShape(decode_contexts=(100, 300), num_sampled=2)
-    assert model.stage_time(decodes, 0) == pytest.approx(0.008 + 300e-6 + 2e-3 + 0.002)
-    assert model.stage_time(decodes, 0) != pytest.approx(parts.stage_time(decodes, 0))
-    hybrid = BatchShape(prefills=((4, 200),), decode_contexts=(100,), num_sampled=2)  # 5 tokens, context 204
-    assert model.stage_time(hybrid, 0) == pytest.approx(0.02 + 204e-6 + 2e-3 + 0.002)
-    for shape in (BatchShape(prefills=((16, 0),), decode_contexts=(100,), num_sampled=2),  # 17 tokens
-                  BatchShape(decode_contexts=(100,) * 9, num_sampled=9)):  # 9 > the table's 8
-        assert model.stage_time(shape, 0) == pytest.approx(parts.stage_time(shape, 0))
+def test_a_profile_round_trips(tmp_path):
+    written = write_profile(tmp_path / "p.json")
+    read = Profile.load(tmp_path / "p.json")
+    assert read.steps == written.steps and read.meta == {"cpu": "test"}
+
+
+def test_the_fit_of_an_exactly_linear_profile_reproduces_it(tmp_path):
+    write_profile(tmp_path / "p.json")
+    model = FittedCostModel.load(tmp_path / "p.json")
+    cost = linear_cost(WEIGHTS)
+    probe = BatchShape(prefills=((300, 200),), decode_contexts=(100, 700), num_sampled=3)
+    assert model.stage_time(probe, 0) == pytest.approx(cost(probe), rel=1e-2)  # the ridge term pulls a little
+    two = FittedCostModel.load(tmp_path / "p.json", num_stages=2)
+    assert two.stage_time(probe, 0) + two.stage_time(probe, 1) == pytest.approx(model.stage_time(probe, 0))
+
+
+def step(**overrides) -> dict:
+    return {"prefills": [[16, 0]], "decode_contexts": [100], "num_sampled": 2, "seconds": 0.01, **overrides}
 
 
 @pytest.mark.parametrize("content, message", [
-    ("op,x,y,seconds\nlinear,1,0,0.1\n", "no rows for"),
-    ("a,b\n1,2\n", "expected columns"),
-    ("op,x,y,seconds\nlinear,one,0,0.1\n", "not a number"),
-    ("op,x,y,seconds\nlinear,1,0,-3\n", "bad time"),
+    ("op,x,y,seconds\nlinear,1,0,0.1\n", "not a carpool profile"),
+    (json.dumps({"format": "other", "steps": []}), "not a carpool-profile/2"),
+    (json.dumps({"format": "carpool-profile/2", "steps": []}), "holds no steps"),
+    (json.dumps({"format": "carpool-profile/2", "steps": [step(seconds="fast")]}), "step 0 is malformed"),
+    (json.dumps({"format": "carpool-profile/2", "steps": [step(), step(prefills=[[1]])]}), "step 1 is malformed"),
+    (json.dumps({"format": "carpool-profile/2", "steps": [step(seconds=-1)]}), "bad time"),
+    (json.dumps({"format": "carpool-profile/2", "steps": [step(prefills=[], decode_contexts=[])]}), "no tokens"),
 ])
 def test_bad_profile_files(tmp_path, content, message):
-    path = tmp_path / "bad.csv"
+    path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        ProfiledCostModel.load(path)
+        Profile.load(path)
 
 
 def test_missing_profile_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="carpool profile"):
-        ProfiledCostModel.load(tmp_path / "none.csv")
-
-
-def test_profile_grid_must_be_full(tmp_path):
-    path = tmp_path / "p.csv"
-    write_profile(path)
-    path.write_text(path.read_text() + "decode_attn,64,16,0.5\n")
-    with pytest.raises(ValueError, match="full grid"):
-        ProfiledCostModel.load(path)
+        FittedCostModel.load(tmp_path / "none.json")
 
 
 def test_the_engine_seeds_its_step_time_fit_from_a_profile(tmp_path):
-    """--cost-profile: the SLO policy's fit starts from the table's predictions, not empty."""
+    """--cost-profile: the SLO policy's fit starts from the profile's fit, not empty."""
     from types import SimpleNamespace
 
     from carpool.core.step_cost import ChunkSizes, StepCostModel, step_time
     from carpool.engine import LLMEngine
 
-    path = tmp_path / "p.csv"
+    path = tmp_path / "p.json"
     write_profile(path)
     config = SimpleNamespace(target_tbt_ms=100.0, target_tbt=0.1, cost_profile=str(path), max_num_batched_tokens=512)
     engine = SimpleNamespace(max_model_len=2048)  # all _step_cost_args reads of the engine
@@ -109,6 +86,6 @@ def test_the_engine_seeds_its_step_time_fit_from_a_profile(tmp_path):
     fit, sizes = args["cost"], args["chunk_sizes"]
     assert isinstance(fit, StepCostModel) and fit.ready and isinstance(sizes, ChunkSizes)
     probe = BatchShape(prefills=((128, 512),), decode_contexts=(512,) * 8, num_sampled=8)
-    assert fit.predict(probe) == pytest.approx(step_time(ProfiledCostModel.load(path), probe), rel=0.2)
+    assert fit.predict(probe) == pytest.approx(step_time(FittedCostModel.load(path), probe), rel=0.05)
     unseeded = LLMEngine._step_cost_args(engine, SimpleNamespace(**{**vars(config), "cost_profile": None}))
     assert unseeded["cost"].num_observations == 0 and unseeded["chunk_sizes"] is None

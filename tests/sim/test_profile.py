@@ -1,20 +1,110 @@
-"""`carpool profile` and `carpool fidelity` end to end on a tiny random Llama."""
+"""`carpool profile`: on a synthetic engine whose step cost is known, and end to end on a tiny
+random Llama with `carpool fidelity`."""
 
 from __future__ import annotations
 
-import csv
+import itertools
 import json
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carpool.cli import main
-from carpool.core.cost_profile import ProfiledCostModel
-from carpool.core.step_cost import BatchShape
-from carpool.sim.profile import profile_grid
+from carpool.core.block_manager import BlockManager
+from carpool.core.cost_profile import FittedCostModel, Profile
+from carpool.core.scheduler import make_scheduler
+from carpool.core.step_cost import FEATURES, BatchShape, features
+from carpool.request import Request, RequestStatus
+from carpool.sim.profile import profile_engine, profile_phases
+from tests.helpers import examples
 from tests.model.test_hf_folder import write_checkpoint
 
 TINY = ["--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "64MiB"]
+
+
+class SyntheticEngine:
+    """The engine's serving interface over the real schedulers and block manager, whose steps
+    take `cost(shape)` seconds times a seeded jitter of +-`jitter`, on no clock at all."""
+
+    def __init__(self, cost, jitter: float = 0.0, seed: int = 0, max_model_len: int = 4096):
+        self.cost, self.jitter, self.rng = cost, jitter, random.Random(seed)
+        self.block_manager = BlockManager(num_blocks=8192, block_size=16, enable_prefix_caching=True)
+        self.config = SimpleNamespace(max_num_seqs=256, model=None, num_threads=1)
+        self.model_config = SimpleNamespace(vocab_size=32000)
+        self.max_model_len = max_model_len
+        self.scheduler = make_scheduler("sarathi", self.block_manager, 512, 256, max_model_len)
+        self.iteration_stats: list[SimpleNamespace] = []
+        self._observers = []
+        self._ids = itertools.count()
+
+    def add_request(self, ids, params) -> Request:
+        r = Request(f"synthetic-{next(self._ids)}", ids, params)
+        self.scheduler.add_request(r)
+        return r
+
+    def add_batch_observer(self, observe):
+        self._observers.append(observe)
+        return lambda: self._observers.remove(observe)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def step(self) -> list:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        for observe in self._observers:
+            observe(batch)
+        seconds = self.cost(BatchShape.of(batch)) * (1 + self.rng.uniform(-self.jitter, self.jitter))
+        for r in self.scheduler.commit(batch):
+            r.append_token(1, 0.0)
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+        self.iteration_stats.append(SimpleNamespace(duration=seconds))
+        return []
+
+
+def random_shape(rng: random.Random) -> BatchShape:
+    """A batch like serving makes: up to 32 decodes, up to two chunks (no drafts: the profile
+    runs no speculation)."""
+    decodes = tuple(rng.randrange(16, 1600) for _ in range(rng.randrange(0, 33)))
+    chunks = tuple((rng.randrange(1, 1024), rng.randrange(0, 1000)) for _ in range(rng.randrange(0 if decodes else 1, 3)))
+    return BatchShape(chunks, decodes, len(decodes) + len(chunks))
+
+
+# Positive weights on every feature the profile can see (drafts aside), each spanning two orders
+# of magnitude around what a CPU step shows.
+weights = st.tuples(*[st.floats(0.1, 10.0) for name in FEATURES if name != "drafts"])
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(scale=weights, seed=st.integers(0, 1000))
+def test_profile_plus_fit_recover_a_known_cost_within_2_percent(scale, seed):
+    """A step cost in the fit's features, measured with +-1% jitter: the profile's designed
+    workloads reach every feature, so their fit predicts unseen batches within 2%."""
+    base = [4e-3, 0.5, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 0.4, 8e-3]  # per scaled feature, seconds
+    w = [b * s for b, s in zip(base, scale)] + [0.0]
+    cost = lambda shape: sum(a * x for a, x in zip(w, features(shape)))  # noqa: E731
+    engine = SyntheticEngine(cost, jitter=0.01, seed=seed)
+    model = FittedCostModel.from_profile(profile_engine(engine, repeats=1))
+    rng = random.Random(seed)
+    for shape in (random_shape(rng) for _ in range(200)):
+        assert model.stage_time(shape, 0) == pytest.approx(cost(shape), rel=0.02), shape
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 8192
+
+
+def test_phases_fit_the_model_length():
+    for max_len in (512, 8192):
+        for phase in profile_phases(max_len, 1000):
+            assert len(phase.warm) < max_len, phase.name
+            assert all(len(p) + n <= max_len for p, n in zip(phase.prompts, phase.max_tokens)), phase.name
 
 
 @pytest.fixture(scope="module")
@@ -24,27 +114,15 @@ def tiny_model(tmp_path_factory, engine_fp32) -> str:
     return str(folder)
 
 
-def test_grid_is_clipped_to_the_model_length():
-    full, short = profile_grid(8192), profile_grid(512)
-    assert max(full["prefill_prefix"]) + max(full["prefill_chunk"]) <= 8192
-    assert max(short["prefill_prefix"]) + max(short["prefill_chunk"]) <= 512
-    assert max(short["decode_context"]) < 512 and max(short["linear"]) <= 512
-    quick = profile_grid(8192, quick=True)
-    for key, values in quick.items():
-        assert set(values) <= set(full[key]) and values[-1] == full[key][-1], key
-        assert len(values) < len(full[key]) or len(full[key]) <= 2
-
-
 def test_profile_then_fidelity(tiny_model, tmp_path):
-    profile = tmp_path / "profile.csv"
+    profile = tmp_path / "profile.json"
     assert main(["profile", "--model", tiny_model, *TINY, "--quick", "--repeats", "1",
                  "--output", str(profile)]) == 0
-    with profile.open() as f:
-        ops = {row["op"] for row in csv.DictReader(f)}
-    assert {"linear", "prefill_attn", "decode_attn", "sample", "overhead", "calibration"} <= ops
-    assert "decode_step" not in ops  # fp32: no fused decode path to time
-    model = ProfiledCostModel.load(profile)
-    assert math.isfinite(model.calibration) and model.calibration > 0
+    steps = Profile.load(profile).steps
+    assert len(steps) > 50 and all(math.isfinite(t) and t > 0 for _, t in steps)
+    assert any(s.prefills and not s.decode_contexts for s, _ in steps)  # prefill alone
+    assert any(len(s.decode_contexts) >= 16 and not s.prefills for s, _ in steps)  # wide decode-only
+    model = FittedCostModel.load(profile)
     small = model.stage_time(BatchShape(decode_contexts=(100,), num_sampled=1), 0)
     big = model.stage_time(BatchShape(prefills=((256, 0),), decode_contexts=(100,) * 8, num_sampled=9), 0)
     assert 0 < small < big
@@ -60,4 +138,7 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
         assert 0 <= r["iteration_error_p50"] <= r["iteration_error_p90"]
         assert set(r["latency"]) == {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
         assert all(v["real"] > 0 and v["simulated"] > 0 for v in r["latency"].values())
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert sum(r["iterations"] for r in results) == len(steps)
+    assert all(s["measured_s"] > 0 and s["idle_before_s"] >= 0 for s in steps)
     assert "| sarathi, profile |" in (out / "fidelity.md").read_text()

@@ -11,7 +11,8 @@ from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel, chunk_sweep, seeded_step_cost, step_time
 from carpool.request import Request, RequestStatus
 from carpool.sampling_params import SamplingParams
-from carpool.sim.cost_model import FittedCostModel, FormulaCostModel
+from carpool.core.cost_profile import FittedCostModel
+from carpool.sim.cost_model import FormulaCostModel
 from carpool.sim.gpu import GPUS, GpuCostModel, resolve_shape
 from carpool.sim.simulator import ReplicaConfig, SimRequest, simulate
 
