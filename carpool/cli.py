@@ -460,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="bench_results/profile.json")
     p.add_argument("--repeats", type=positive_int, default=3, help="passes over the designed workloads")
     p.add_argument("--quick", action="store_true", help="every other workload")
+    p.add_argument("--compare", default=None, help="another profile of this machine: print how far the two agree")
     add_engine_args(p)
     p.set_defaults(func=cmd_profile)
     return parser

@@ -18,7 +18,7 @@ hinges in the token count (`max(0, tokens - k)`) let a fit with non-negative wei
 Non-negative weights also keep the prediction monotone in a chunk's length, which the policy's
 search relies on.
 
-Pure Python on purpose: the scheduler imports it, and the fit is a 10 x 10 solve.
+Pure Python on purpose: the scheduler imports it, and the fit is a 14 x 14 solve.
 """
 
 from __future__ import annotations
@@ -72,22 +72,31 @@ HINGES = (64, 256, 1024)
 # COMPILE_MIN_TOKENS); on a GPU, CUDA graphs end at a batch size likewise. A 24-token fused step
 # took 16 ms and a 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend.
 SMALL_STEP_TOKENS = 32
+SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # A draft token costs a token (`tokens`) plus what its own feature learns (its row of attention,
 # of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
 # first drafts are granted and the fit learns their cost from the steps that ran them.
+# The last two let small steps bend on their own: on CPU a step of a few tokens streams the
+# weights once whatever its rows, and each row costs more as rows grow (1 -> 2 decodes +1.0 ms,
+# 8 -> 16 +2.5 ms a row on Intel Xeon with AMX), so one slope under-predicted the single decodes
+# that dominate light load by 6% (`carpool fidelity`'s steps.jsonl, BENCHMARKS.md "Simulator
+# fidelity").
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
             "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
-            "drafts")
+            "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}", f"tokens up to {SMALL_STEP_TOKENS}")
 # Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
-_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0, 1e-1)
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0, 1e-1, 1e-1, 1e-1)
 
 
 def features(shape: BatchShape) -> list[float]:
     t = shape.num_tokens
     d = shape.decode_contexts
     attn = sum(n * (p + (n + 1) / 2) for n, p in shape.prefills)
+    # the small-step slopes saturate rather than drop past SMALL_STEP_TOKENS: every feature stays
+    # non-decreasing in a chunk's length, so the prediction does too (the policy's search needs it)
     raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
-           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts)
+           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts,
+           min(max(0, t - SMALL_HINGE), SMALL_STEP_TOKENS - SMALL_HINGE), min(t, SMALL_STEP_TOKENS))
     return [x * s for x, s in zip(raw, _SCALE)]
 
 

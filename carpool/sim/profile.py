@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import platform
 import random
+import statistics
 from dataclasses import dataclass
 
-from carpool.core.cost_profile import Profile
+from carpool.core.cost_profile import FittedCostModel, Profile
 from carpool.core.scheduler import make_scheduler
-from carpool.core.step_cost import BatchShape
+from carpool.core.step_cost import BatchShape, seed_shapes
 from carpool.sampling_params import SamplingParams
 
 LADDER_CONTEXTS = (128, 512, 1536)
@@ -124,6 +125,15 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def agreement(a: Profile, b: Profile, max_tokens: int = 2048, max_context: int = 2048) -> dict[str, float]:
+    """How far two profiles' cost models disagree, |a / b - 1| per step shape, over the shapes
+    serving runs (`seed_shapes`: decode-only batches and a chunk beside a few decodes)."""
+    fa, fb = FittedCostModel.from_profile(a), FittedCostModel.from_profile(b)
+    gaps = sorted(abs(fa.stage_time(s, 0) / fb.stage_time(s, 0) - 1) for s in seed_shapes(max_tokens, max_context))
+    return {"shapes": len(gaps), "median": statistics.median(gaps), "p90": gaps[int(0.9 * (len(gaps) - 1))],
+            "max": gaps[-1]}
+
+
 def run_profile(config, args) -> None:
     from carpool.engine import LLMEngine
 
@@ -131,3 +141,7 @@ def run_profile(config, args) -> None:
     profile = profile_engine(engine, repeats=args.repeats, quick=args.quick)
     profile.write(args.output)
     print(f"wrote {len(profile.steps)} steps to {args.output}")
+    if args.compare:
+        gap = agreement(profile, Profile.load(args.compare), max_context=engine.max_model_len)
+        print(f"against {args.compare}: over {gap['shapes']} step shapes the two predict within "
+              f"{gap['median']:.1%} (median), {gap['p90']:.1%} (P90), {gap['max']:.1%} (max)")

@@ -18,7 +18,7 @@ def linear_cost(weights: list[float]):
     return lambda shape: sum(w * x for w, x in zip(weights, features(shape)))
 
 
-WEIGHTS = [4e-3, 0.6, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 0.4, 8e-3, 0.0]
+WEIGHTS = [4e-3, 0.6, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 0.4, 8e-3, 0.0, 0.1, 0.2]
 
 
 def write_profile(path, cost=linear_cost(WEIGHTS)) -> Profile:
