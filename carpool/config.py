@@ -306,7 +306,7 @@ class EngineConfig:
                 "SLO. 0 or none: the fixed budget",
         "type": parse_target_tbt_ms})
     cost_profile: str | None = field(default=None, metadata={
-        "help": "a `carpool profile` CSV to seed the --target-tbt-ms step-time fit from"})
+        "help": "a `carpool profile` (JSON) to seed the --target-tbt-ms step-time fit from"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads (per worker process with TP/PP; default: cores / processes)"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})

@@ -11,8 +11,10 @@ model. Two errors are reported:
 Each is reported twice: for the profile's cost model, and for the online step-time fit the
 SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. The fit's
 iteration error is one step ahead (each step predicted before it is observed); its simulation
-uses the fit as it stood at the end of the real run. The fit corrects what a profile taken on
-another workload or in another process gets wrong (one calibration factor for every shape).
+uses the fit as it stood at the end of the real run: it follows the host's speed as it drifts,
+which a profile taken minutes earlier cannot. `steps.jsonl` lists every real step (its whole
+shape, the idle time before it, measured and predicted times), to see where errors sit. The
+SLO-following sarathi runs at the engine's default target unless --target-tbt-ms is given.
 """
 
 from __future__ import annotations

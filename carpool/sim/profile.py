@@ -4,7 +4,7 @@ The engine serves a few designed workloads, every request of one arriving at onc
 time is timed), each under a scheduler chosen for the batches it makes:
 - decode ladders: 32 requests on one cached prompt (its prefill is paid once, then the prefix
   cache serves it), with staggered output lengths, so decode-only batches shrink from 32 rows
-  to 1 at a few contexts;
+  to 1 (which then runs 24 steps alone) at contexts of 128 to 4,096;
 - prefill sizes: prompts of 16 .. 2,048 tokens under vLLM's whole prefills and sarathi's chunks
   of 512 and 128, beside whatever decodes are running;
 - small hybrids: short chunks beside a dozen decodes, as an SLO-following budget makes them.
@@ -28,8 +28,9 @@ from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import BatchShape, seed_shapes
 from carpool.sampling_params import SamplingParams
 
-LADDER_CONTEXTS = (128, 512, 1536)
+LADDER_CONTEXTS = (128, 512, 1536, 4096)
 LADDER_REQUESTS = 32
+LADDER_ALONE = 24  # steps the longest request of a ladder decodes alone
 PREFILL_LENGTHS = (16, 48, 96, 200, 400, 700, 1000, 1500, 2000)
 PREFILL_SCHEDULERS = (("vllm", 2048), ("sarathi", 512), ("sarathi", 128))
 
@@ -53,11 +54,12 @@ def profile_phases(max_model_len: int, vocab: int, seed: int = 0) -> list[Phase]
     ids = lambda n: tuple(rng.randrange(vocab) for _ in range(n))  # noqa: E731
     phases = []
     for ctx in LADDER_CONTEXTS:
-        ctx = min(ctx, max_model_len - 100)
+        ctx = min(ctx, max_model_len - 128)
         prefix = ids(ctx)
         prompts = tuple(prefix + ids(4) for _ in range(LADDER_REQUESTS))
-        phases.append(Phase(f"decode ladder at {ctx}", "sarathi", 512, prompts,
-                            tuple(8 + 2 * i for i in range(LADDER_REQUESTS)), warm=prefix))
+        outputs = [8 + 2 * i for i in range(LADDER_REQUESTS)]
+        outputs[-1] += LADDER_ALONE  # light load is mostly one decode at a time: time it too
+        phases.append(Phase(f"decode ladder at {ctx}", "sarathi", 512, prompts, tuple(outputs), warm=prefix))
     lengths = [n for n in PREFILL_LENGTHS if n + 16 < max_model_len]
     for scheduler, budget in PREFILL_SCHEDULERS:
         budget = min(budget, max_model_len)
@@ -126,12 +128,20 @@ def cpu_name() -> str:
 
 
 def agreement(a: Profile, b: Profile, max_tokens: int = 2048, max_context: int = 2048) -> dict[str, float]:
-    """How far two profiles' cost models disagree, |a / b - 1| per step shape, over the shapes
-    serving runs (`seed_shapes`: decode-only batches and a chunk beside a few decodes)."""
+    """How far two profiles' cost models disagree over the shapes serving runs (`seed_shapes`:
+    decode-only batches and a chunk beside a few decodes): |a / b - 1| per shape, and the same
+    after dividing out their median ratio (`speed`: a host whose speed drifted between the two
+    moves every shape alike; what is left is disagreement about shapes)."""
     fa, fb = FittedCostModel.from_profile(a), FittedCostModel.from_profile(b)
-    gaps = sorted(abs(fa.stage_time(s, 0) / fb.stage_time(s, 0) - 1) for s in seed_shapes(max_tokens, max_context))
-    return {"shapes": len(gaps), "median": statistics.median(gaps), "p90": gaps[int(0.9 * (len(gaps) - 1))],
-            "max": gaps[-1]}
+    ratios = [fa.stage_time(s, 0) / fb.stage_time(s, 0) for s in seed_shapes(max_tokens, max_context)]
+    speed = statistics.median(ratios)
+
+    def spread(gaps: list[float]) -> dict[str, float]:
+        gaps = sorted(gaps)
+        return {"median": statistics.median(gaps), "p90": gaps[int(0.9 * (len(gaps) - 1))], "max": gaps[-1]}
+
+    return {"shapes": len(ratios), "speed": speed, "raw": spread([abs(r - 1) for r in ratios]),
+            "shape": spread([abs(r / speed - 1) for r in ratios])}
 
 
 def run_profile(config, args) -> None:
@@ -143,5 +153,7 @@ def run_profile(config, args) -> None:
     print(f"wrote {len(profile.steps)} steps to {args.output}")
     if args.compare:
         gap = agreement(profile, Profile.load(args.compare), max_context=engine.max_model_len)
-        print(f"against {args.compare}: over {gap['shapes']} step shapes the two predict within "
-              f"{gap['median']:.1%} (median), {gap['p90']:.1%} (P90), {gap['max']:.1%} (max)")
+        raw, shape = gap["raw"], gap["shape"]
+        print(f"against {args.compare}, over {gap['shapes']} step shapes: the two predict within {raw['median']:.1%} "
+              f"(median), {raw['p90']:.1%} (P90), {raw['max']:.1%} (max); with their median ratio "
+              f"{gap['speed']:.3f} divided out, within {shape['median']:.1%}, {shape['p90']:.1%}, {shape['max']:.1%}")

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ from carpool.core.cost_profile import FittedCostModel, Profile
 from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import FEATURES, BatchShape, features
 from carpool.request import Request, RequestStatus
-from carpool.sim.profile import profile_engine, profile_phases
+from carpool.sim.profile import agreement, profile_engine, profile_phases
 from tests.helpers import examples
 from tests.model.test_hf_folder import write_checkpoint
 
@@ -100,6 +101,20 @@ def test_profile_plus_fit_recover_a_known_cost_within_2_percent(scale, seed):
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 8192
 
 
+def test_agreement_separates_host_speed_from_shape():
+    """Two profiles of one cost, the second on a host 10% slower and with one kind of step
+    slower still: the speed factor comes out, and only that kind disagrees after it."""
+    cost = lambda shape: 0.005 + 1e-3 * shape.num_tokens  # noqa: E731
+    a = profile_engine(SyntheticEngine(cost), repeats=1)
+    slower = lambda shape: 1.1 * cost(shape) * (1.05 if shape.prefills else 1.0)  # noqa: E731
+    b = profile_engine(SyntheticEngine(slower), repeats=1)
+    gap = agreement(b, a)
+    assert 1.1 * 0.99 <= gap["speed"] <= 1.1 * 1.05 * 1.01
+    assert gap["raw"]["median"] >= 0.09  # every shape moved by the host's speed
+    assert 0.01 < gap["shape"]["max"] < 0.07  # after it, about the 5% of one kind of step
+    assert agreement(a, a)["raw"]["max"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_phases_fit_the_model_length():
     for max_len in (512, 8192):
         for phase in profile_phases(max_len, 1000):
@@ -129,16 +144,22 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
 
     out = tmp_path / "fidelity"
     assert main(["fidelity", "--profile", str(profile), "--model", tiny_model, *TINY,
-                 "--schedulers", "sarathi,vllm", "--num-requests", "8", "--prompt-range", "16,200",
+                 "--schedulers", "sarathi,vllm,sarathi:dynamic", "--num-requests", "8", "--prompt-range", "16,200",
                  "--output-range", "4,12", "--qps", "4", "--output", str(out)]) == 0
     results = json.loads((out / "fidelity.json").read_text())["results"]
-    assert [r["scheduler"] for r in results] == ["sarathi", "vllm"]
+    assert [r["scheduler"] for r in results] == ["sarathi", "vllm", "sarathi:dynamic"]
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     for r in results:
         assert r["iterations"] > 0 and r["simulated_iterations"] > 0
-        assert 0 <= r["iteration_error_p50"] <= r["iteration_error_p90"]
         assert set(r["latency"]) == {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
         assert all(v["real"] > 0 and v["simulated"] > 0 for v in r["latency"].values())
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    assert sum(r["iterations"] for r in results) == len(steps)
-    assert all(s["measured_s"] > 0 and s["idle_before_s"] >= 0 for s in steps)
+        # every scheduler's columns, recomputed from its own steps by one formula
+        mine = [s for s in steps if s["scheduler"] == r["scheduler"]]
+        assert len(mine) == r["iterations"] and all(s["measured_s"] > 0 and s["idle_before_s"] >= 0 for s in mine)
+        for column, key in ((r, "profile_s"), (r["online"], "online_s")):
+            signed = [s[key] / s["measured_s"] - 1 for s in mine]
+            assert column["iteration_error_p50"] == pytest.approx(statistics.median(map(abs, signed)))
+            decodes = [e for e, s in zip(signed, mine) if not s["prefills"]]
+            if decodes:
+                assert column["decode_iteration_bias"] == pytest.approx(statistics.median(decodes))
     assert "| sarathi, profile |" in (out / "fidelity.md").read_text()
