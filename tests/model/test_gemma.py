@@ -135,6 +135,7 @@ def test_gemma_matches_transformers(tmp_path, engine_fp32, model_path, family, s
     assert_matches_transformers(engine, ref)
 
 
+@pytest.mark.slow
 def test_gemma_gguf_norms_read_back_by_transformers(tmp_path, engine_fp32, model_path):
     """The GGUF writer stores Gemma's norms as llama.cpp's converter does: transformers' GGUF
     reader, which undoes llama.cpp's +1, gets the HF weights back."""

@@ -62,6 +62,7 @@ def test_broken_files_are_clear_errors(q4_k_m, tmp_path):
             LLMEngine(model=str(path), kv_cache_memory=16 << 20)
 
 
+@pytest.mark.slow
 def test_q4_k_m_agrees_with_fp32_on_its_dequantized_weights(q4_k_m):
     """Top-1 agreement, teacher-forced over a prompt and 256 greedy fp32 tokens, >= 95%: the
     fp32 engine dequantizes the same file (the reference), the bf16 one multiplies its codes."""

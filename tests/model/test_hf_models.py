@@ -269,9 +269,9 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader=None, pre
     w.close()
 
 
-@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("phi3", "llama-bpe"),
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"),
                                        *(pytest.param(*p, marks=pytest.mark.slow)
-                                         for p in [("qwen2", "qwen2"), ("qwen3", "qwen2")])])
+                                         for p in [("phi3", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2")])])
 def test_gguf_of_other_families(tmp_path, engine_fp32, model_path, arch, pre):
     """phi3: llama.cpp keeps Phi-3's fused attn_qkv and stacks gate and up in one ffn_up."""
     from transformers import AutoTokenizer

@@ -41,6 +41,7 @@ def test_greedy_fp32_matches_transformers_generate(engine_fp32, prompt_ids, hf_g
         assert mine == ref, f"prompt {prompt!r} diverged"
 
 
+@pytest.mark.slow
 def test_prefill_logits_fp32_close_to_transformers(engine_fp32, hf_model, prompt_ids):
     ids = prompt_ids[2]
     with torch.inference_mode():

@@ -129,6 +129,7 @@ def tiny_model(tmp_path_factory, engine_fp32) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_profile_then_fidelity(tiny_model, tmp_path):
     profile = tmp_path / "profile.json"
     assert main(["profile", "--model", tiny_model, *TINY, "--quick", "--repeats", "1",
