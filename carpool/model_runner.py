@@ -17,7 +17,7 @@ import torch
 from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
-from carpool.model.attention import AttendFn, AttentionMetadata, PrefillChunk, paged_attention, query_runs
+from carpool.model.attention import AttentionMetadata, PrefillChunk, paged_attention, query_runs
 from carpool.model.compiled import CompiledLayers, can_compile, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_layers import FusedLayers
@@ -61,7 +61,6 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, enforce_eager: bool = True):
         self.model = model
-        self.last_forward_seconds = 0.0
         if can_pack_linears(device, dtype):
             pack_linears_for_cpu(model)
         self.block_size = block_size
@@ -213,11 +212,7 @@ class ModelRunner:
         plan = self.plan(batch)
         self.clear_fresh_tails(plan)
         input_ids, positions, meta = self.tensors(plan)
-        start = time.perf_counter()
-        hidden = self.forward(input_ids, positions, meta)
-        logits = self.logits(hidden, plan)
-        self.last_forward_seconds = time.perf_counter() - start  # model + LM head, for the profiler
-        return logits
+        return self.logits(self.forward(input_ids, positions, meta), plan)
 
     @torch.inference_mode()
     def run_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -231,26 +226,22 @@ class ModelRunner:
             return hidden
         return self.logits(hidden, plan)
 
-    def path(self, num_tokens: int, meta: AttentionMetadata, attention: AttendFn | None = None) -> Path:
-        """How a step runs the layers (model/paths.py). The fused call attends with its own C
-        kernel, so a step with a stand-in `attention` never takes it."""
+    def path(self, num_tokens: int, meta: AttentionMetadata) -> Path:
+        """How a step runs the layers (model/paths.py)."""
         fused = self.fused
-        fits = fused is not None and attention is None and fused.can_attend(meta, num_tokens)
+        fits = fused is not None and fused.can_attend(meta, num_tokens)
         return choose_path(num_tokens, fused.max_tokens if fits else 0, self.compiled is not None)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None, attention: AttendFn | None = None) -> torch.Tensor:
-        """Hidden states after this rank's layers (normed on the last stage), down the step's
-        path. `attention` stands in for paged attention on every layer (the profiler's timing
-        hook: the linear part of a step alone); None runs the real kernel."""
-        path = self.path(len(positions), meta, attention)
-        attend = paged_attention if attention is None else attention
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after this rank's layers (normed on the last stage), down the step's path."""
+        path = self.path(len(positions), meta)
         if path is Path.EAGER:
-            return self.model(input_ids, positions, self.kv_cache, meta, hidden, attend)
+            return self.model(input_ids, positions, self.kv_cache, meta, hidden, paged_attention)
         x, cos, sin = self.model.layer_inputs(input_ids, positions, hidden)
         if path is Path.FUSED:
             return self.fused(x, cos, sin, self.kv_cache, meta)
-        return self.compiled(x, cos, sin, self.kv_cache, meta, attend)
+        return self.compiled(x, cos, sin, self.kv_cache, meta, paged_attention)
 
     def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         rows = plan.logit_rows

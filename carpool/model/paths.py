@@ -13,7 +13,7 @@ step beat the eager one at every batch size up to 31 (decode-only, context 512: 
 steps over both paths; a 16-token step of 4 decodes and a 12-token chunk: 17 vs
 31-33 ms, `carpool bench hybrid`; Intel Xeon with AMX, 2 threads, 2026-12-01). Where it cannot
 run (fp32, dense weights, a GGUF's K-quant codes, tensor parallelism, Qwen3's q/k norms, Gemma's
-layers, the profiler's attention hook), those steps run eager.
+layers), those steps run eager.
 
 Only steps of at least COMPILE_MIN_TOKENS tokens run compiled. A compiled call costs ~50 us of
 Python (guard checks, wrappers) against ~5 us for an eager op, so at a few tokens per step the

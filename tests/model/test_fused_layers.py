@@ -17,7 +17,7 @@ from carpool.engine import LLMEngine
 from carpool.model.cpu_kernels import has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
-from carpool.model.quant import TILE_FROM, QuantizedLinear
+from carpool.model.quant import TILE_FROM
 from tests.conftest import PROMPTS
 from tests.helpers import examples, run_greedy
 from tests.model.test_hf_models import write_checkpoint
@@ -200,33 +200,6 @@ def test_engine_greedy_runs_fused_and_matches_eager(engine):
     with eager(engine):
         want = run_greedy(engine, prompts, 12)
     assert got == want
-
-
-def test_a_stand_in_attention_never_runs_fused(engine):
-    """The profiler's timing hook: with a stand-in for attention, a step the fused path would
-    take runs the eager layers, each calling the stand-in."""
-    runner = engine.runner
-    fused = runner.fused
-    runner.fused = counted = Counting(fused)
-    calls = []
-
-    def query_only(q, k, v, cache, meta, scale):
-        calls.append(q.shape[0])
-        return q
-
-    synthetic = SyntheticBatches(engine)
-    try:
-        g = torch.Generator().manual_seed(0)
-        grants = [(synthetic.with_cached_context(n, g), 1) for n in (9, 30)]
-        with torch.inference_mode():
-            ids, pos, meta = runner.tensors(runner.plan(synthetic.batch(grants)))
-            runner.forward(ids, pos, meta, attention=query_only)
-            assert not counted.tokens and calls == [2] * engine.model.num_local_layers
-            runner.forward(ids, pos, meta)
-            assert counted.tokens == [2] and len(calls) == engine.model.num_local_layers
-    finally:
-        runner.fused = fused
-        synthetic.close()
 
 
 def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_path):
