@@ -5,8 +5,8 @@
 SLO-following Sarathi policy asks it, while it builds a batch, how long the batch would take
 with one more prefill chunk. The engine feeds it measured step times and the simulator feeds it
 simulated ones, so the same class makes the same choices in both. It starts empty, or seeded
-with the predictions of a `CostModel` (`seeded_step_cost`: the engine's --cost-profile table,
-cost_profile.py, or a simulated replica's model).
+with the predictions of a `CostModel` (`seeded_step_cost`: the engine's --cost-profile, a fit
+over the whole steps `carpool profile` measured (cost_profile.py), or a simulated replica's model).
 
 Why these features: on a CPU a step costs a fixed overhead, a per-token GEMM cost, a cost per
 decode row (sampling, inputs) and a larger one per prefill chunk (each chunk is its own attention
@@ -337,8 +337,8 @@ class ChunkSizes:
 # ---------------------------------------------------------------- starting from a cost model
 
 class CostModel(Protocol):
-    """Predicts an iteration's time from its shape, without running it: a profiled table
-    (cost_profile.py), the simulator's GPU and formula models (carpool/sim)."""
+    """Predicts an iteration's time from its shape, without running it: a fit over profiled
+    steps (cost_profile.py), the simulator's GPU and formula models (carpool/sim)."""
 
     num_stages: int
 
