@@ -334,7 +334,7 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *til
 #define AMX_TOKENS 16  /* rows of an A tile: tokens per tile product */
 
 /* The same dequantized tiles multiplied on AMX's bf16 unit: one `tdpbf16ps` is 16 tokens x 16 rows
-   x 32 channels, 16x the work of a `vdpbf16ps`, and the tile layout above is already its B
+   x 32 channels, 256x the multiply-adds of a `vdpbf16ps`, and the tile layout above is its B
    operand's (a row per channel pair, the 16 rows' two channels in 32-bit lanes). Tiles 0-3 sum
    two token tiles against two blocks over the whole of k (bf16 products summed in fp32, as the
    vdpbf16ps kernel, in another order); 4-5 hold the tokens, 6-7 the blocks. The tokens are
