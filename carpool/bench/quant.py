@@ -27,6 +27,7 @@ from torch import nn
 from carpool.bench.hostload import OtherCpu
 from carpool.bench.hybrid import carpool_single_stream
 from carpool.config import EngineConfig, ModelConfig
+from carpool.harness.metrics import cpu_name
 from carpool.model import cpu_kernels, gguf_codes, gguf_encode
 from carpool.model.llama import PackedLinear, can_pack_linears
 from carpool.model.quant import QuantizedLinear
@@ -177,16 +178,6 @@ def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
         if entry:
             out[kernel] = entry
     return out
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def write_outputs(result: dict, out: Path) -> None:

@@ -450,7 +450,7 @@ def warm_up(engine) -> None:
 
 
 def run_spec_bench(config: EngineConfig, args) -> dict:
-    from carpool.bench.quant import cpu_name
+    from carpool.harness.metrics import cpu_name
     from carpool.engine import LLMEngine
 
     unknown = set(args.workloads) - set(WORKLOADS)

@@ -104,7 +104,7 @@ def step_times(engine, schemas: list[dict], batch: int, rounds: int, max_tokens:
 
 
 def run_structured_bench(config: EngineConfig, args) -> dict:
-    from carpool.bench.quant import cpu_name
+    from carpool.harness.metrics import cpu_name
     from carpool.engine import LLMEngine
 
     engine = LLMEngine(config)

@@ -77,10 +77,10 @@ SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
 # first drafts are granted and the fit learns their cost from the steps that ran them.
 # The last two let small steps bend on their own: on CPU a step of a few tokens streams the
-# weights once whatever its rows, and each row costs more as rows grow (1 -> 2 decodes +1.0 ms,
-# 8 -> 16 +2.5 ms a row on Intel Xeon with AMX), so one slope under-predicted the single decodes
-# that dominate light load by 6% (`carpool fidelity`'s steps.jsonl, BENCHMARKS.md "Simulator
-# fidelity").
+# weights once whatever its rows, and each further row costs more than the one before, so one
+# slope under-predicted the single decodes that dominate light load (by 6-8% on Intel Xeon with
+# AMX: `carpool fidelity`'s steps.jsonl on the code-completion workload of BENCHMARKS.md
+# "Simulator fidelity").
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
             "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
             "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}", f"tokens up to {SMALL_STEP_TOKENS}")

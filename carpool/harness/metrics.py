@@ -291,3 +291,14 @@ def load_timelines(path: str | Path) -> tuple[list[RequestTimeline], list[Iterat
                 [IterationRecord(**it) for it in data.get("iterations", [])])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a timelines file ({e})") from None
+
+
+def cpu_name() -> str:
+    """The CPU a report was measured on (its /proc/cpuinfo model name)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -18,7 +18,6 @@ synthetic engine whose cost function is known).
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from carpool.core.cost_profile import FittedCostModel, Profile
 from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import BatchShape, seed_shapes
+from carpool.harness.metrics import cpu_name
 from carpool.sampling_params import SamplingParams
 
 LADDER_CONTEXTS = (128, 512, 1536, 4096)
@@ -83,7 +83,6 @@ def run_phase(engine, phase: Phase, profile: Profile) -> None:
             engine.step()
     shapes: list[BatchShape] = []
     stop_recording = engine.add_batch_observer(lambda batch: shapes.append(BatchShape.of(batch)))
-    start = len(engine.iteration_stats)
     try:
         for prompt, n in zip(phase.prompts, phase.max_tokens):
             engine.add_request(list(prompt), greedy(n))
@@ -91,8 +90,8 @@ def run_phase(engine, phase: Phase, profile: Profile) -> None:
             engine.step()
     finally:
         stop_recording()
-    steps = list(engine.iteration_stats)[start:]
-    for shape, step in zip(shapes[-len(steps):], steps):
+    # each batch observed got one IterationStats entry, the last ones (the deque may be full)
+    for shape, step in zip(shapes, list(engine.iteration_stats)[-len(shapes):] if shapes else []):
         profile.add(shape, step.duration)
 
 
@@ -115,16 +114,6 @@ def profile_engine(engine, repeats: int = 3, quick: bool = False) -> Profile:
         engine.scheduler = saved
         engine.reset_prefix_cache()
     return profile
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def agreement(a: Profile, b: Profile, max_tokens: int = 2048, max_context: int = 2048) -> dict[str, float]:
