@@ -17,7 +17,7 @@ import torch
 from carpool.config import ModelConfig
 from carpool.core.block_manager import blocks_for
 from carpool.core.scheduler import ScheduledBatch
-from carpool.model.attention import AttentionMetadata, PrefillChunk, paged_attention, query_runs
+from carpool.model.attention import AttentionMetadata, PrefillChunk, decode_runs, paged_attention, query_runs
 from carpool.model.compiled import CompiledLayers, can_compile, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_layers import FusedLayers
@@ -193,8 +193,11 @@ class ModelRunner:
             decode_mask=mask,
             prefills=prefills,
         )
-        if plan.prefills and self.fused is not None and plan.num_tokens <= self.fused.max_tokens:
-            meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev)
+        decodes = decode_runs(plan.decode_tables, plan.decode_lens)
+        drafts = len(decodes) < len(plan.decode_tables)
+        if drafts or (plan.prefills and self.fused is not None and plan.num_tokens <= self.fused.max_tokens):
+            meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev, decodes)
+            meta.num_decode_runs = len(decodes) if drafts else 0
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.from_numpy(plan.positions).to(dev)
         return input_ids, pos, meta

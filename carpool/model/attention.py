@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from carpool.model.cpu_kernels import paged_decode_attention
+from carpool.model.cpu_kernels import paged_attention_runs, paged_decode_attention
 
 
 @dataclass
@@ -45,8 +45,10 @@ class PrefillChunk:
 @dataclass
 class QueryRuns:
     """A step's tokens as runs of consecutive queries of one sequence, each over its sequence's
-    context (csrc/cpu_kernels.c `paged_attention_runs`): a decode is a run of one; a prefill
-    chunk is split into runs of up to RUN_TOKENS, so its queries spread over the threads."""
+    context (csrc/cpu_kernels.c `paged_attention_runs`, which reads each cached K and V row once
+    for all of a run's queries): a decode is a run of one, a decode with k drafts a run of
+    k + 1; a prefill chunk is split into runs of up to RUN_TOKENS, so its queries spread over the
+    threads."""
 
     block_tables: torch.Tensor  # [runs, max_blocks] int64, padded with a zeroed block
     context_lens: torch.Tensor  # [runs] int64: tokens the run's last query sees, itself included
@@ -56,10 +58,28 @@ class QueryRuns:
 RUN_TOKENS = 8
 
 
+def decode_runs(decode_tables: list[list[int]], decode_lens: list[int]) -> list[tuple[int, int]]:
+    """(first row, rows) of each sequence's decode rows: a decode with drafts is rows over one
+    block table whose contexts grow by one (runner.plan lays them out so)."""
+    runs: list[tuple[int, int]] = []
+    for i, (table, length) in enumerate(zip(decode_tables, decode_lens)):
+        if runs and length == decode_lens[i - 1] + 1 and table == decode_tables[i - 1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 def query_runs(decode_tables: list[list[int]], decode_lens: list[int],
-               prefills: list[tuple[int, int, int, list[int]]], pad_block: int, device: torch.device) -> QueryRuns:
-    """QueryRuns of a step laid out decodes first, then chunks (row, end row, cached tokens, table)."""
-    tables, lens, starts = list(decode_tables), list(decode_lens), list(range(len(decode_tables)))
+               prefills: list[tuple[int, int, int, list[int]]], pad_block: int, device: torch.device,
+               decodes: list[tuple[int, int]] | None = None) -> QueryRuns:
+    """QueryRuns of a step laid out decodes first, then chunks (row, end row, cached tokens, table).
+    decodes: `decode_runs` of the decodes, where the caller has it."""
+    tables, lens, starts = [], [], []
+    for first, rows in decode_runs(decode_tables, decode_lens) if decodes is None else decodes:
+        tables.append(decode_tables[first])
+        lens.append(decode_lens[first + rows - 1])
+        starts.append(first)
     for row, end, cached, table in prefills:
         for first in range(row, end, RUN_TOKENS):
             tables.append(table)
@@ -83,9 +103,12 @@ class AttentionMetadata:
     # the C kernel (model/cpu_kernels.py) reads the blocks in place instead.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
-    # The whole step as query runs, for the fused layers (model/fused_layers.py); None where the
-    # runner did not build them (decode-only steps need none, nor steps the fused path skips).
+    # The whole step as query runs, for the fused layers (model/fused_layers.py) and, where
+    # decodes carry drafts, for every path's decode attention (so a request's k + 1 rows read
+    # its context once, not k + 1 times); None where the runner did not build them (decodes of
+    # one row each need none, nor hybrid steps the fused path skips).
     runs: QueryRuns | None = None
+    num_decode_runs: int = 0  # the first runs of `runs`: the decodes'
     # masked_paged_attention's masks by window (None: causal only), built at the first layer.
     masks: dict[int | None, StepMasks] = field(default_factory=dict, repr=False)
 
@@ -219,17 +242,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D] for this step's tokens; cache: [2, slots,
     kv_heads, D]. Writes k, v into the cache and returns [T, heads, D]."""
-    out = torch.empty_like(q)
     nd, bs = meta.num_decodes, meta.block_size
-    if nd == len(q) and meta.decode_mask is None:  # decodes only: no slicing (each slice costs ~1 us)
+    in_place = nd and meta.decode_mask is None  # the C kernels: they read the decodes' blocks in place
+    if in_place and meta.num_decode_runs:  # decodes with drafts: a run per request
+        runs, r = meta.runs, meta.num_decode_runs
+        decoded = paged_attention_runs(q[:nd], k[:nd], v[:nd], cache, runs.block_tables[:r], runs.context_lens[:r],
+                                       runs.query_starts[:r + 1], meta.slot_mapping[:nd], scale, bs)
+        if nd == len(q):
+            return decoded
+    elif in_place and nd == len(q):  # decodes only: no slicing (each slice costs ~1 us)
+        out = torch.empty_like(q)
         paged_decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs, out,
                                (k, v, meta.slot_mapping))
         return out
-    if nd and meta.decode_mask is None:  # the C kernel, which writes the decodes' k, v itself
+    out = torch.empty_like(q)
+    if in_place:  # the kernels write the decodes' k, v themselves
         cache[0].index_copy_(0, meta.slot_mapping[nd:], k[nd:])
         cache[1].index_copy_(0, meta.slot_mapping[nd:], v[nd:])
-        paged_decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs,
-                               out[:nd], (k[:nd], v[:nd], meta.slot_mapping[:nd]))
+        if meta.num_decode_runs:
+            out[:nd] = decoded
+        else:
+            paged_decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale, bs,
+                                   out[:nd], (k[:nd], v[:nd], meta.slot_mapping[:nd]))
     else:
         cache[0].index_copy_(0, meta.slot_mapping, k)
         cache[1].index_copy_(0, meta.slot_mapping, v)

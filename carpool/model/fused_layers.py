@@ -29,7 +29,7 @@ from carpool.model.quant import QuantizedLinear
 
 class QuantizedWeight(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("tiles", ctypes.c_void_p), ("tile_from", ctypes.c_int64)]
 
 
 class DecoderLayerWeights(ctypes.Structure):
@@ -45,10 +45,13 @@ class DecoderShape(ctypes.Structure):
 
 
 def _weight(linear: QuantizedLinear) -> QuantizedWeight:
-    codes, scale, low = linear.kernel.tensors
-    bias = linear.bias
-    return QuantizedWeight(codes.data_ptr(), scale.data_ptr(), None if low is None else low.data_ptr(),
-                           None if bias is None else bias.data_ptr())
+    """The layer's kernels as its forward picks them: int4/int8 codes for the integer kernel and
+    the same codes as tiles from `tile_from` tokens, or a GGUF's own codes (kquant.c, both sizes)."""
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    codes, scale, low = linear.kernel.tensors if linear.kernel is not None else (None, None, None)
+    tiles = linear.kq if linear.kq is not None else linear.tiles if linear.tile_from else None
+    return QuantizedWeight(ptr(codes), ptr(scale), ptr(low), ptr(linear.bias),
+                           None if tiles is None else ctypes.addressof(tiles.struct), linear.tile_from)
 
 
 class FusedLayers:
@@ -78,7 +81,8 @@ class FusedLayers:
         usable = (model.tp.size == 1 and model.num_local_layers > 0 and not model.config.qk_norm
                   and model.config.llama_layers
                   and model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
-                  and all(isinstance(m, QuantizedLinear) and m.kernel is not None for m in linears))
+                  and all(isinstance(m, QuantizedLinear) and (m.kernel is not None or m.kq is not None)
+                          for m in linears))
         return cls(model, max_tokens) if usable and max_tokens > 0 else None
 
     def can_attend(self, meta: AttentionMetadata, num_tokens: int) -> bool:

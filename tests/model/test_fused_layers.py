@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from carpool.harness.synthetic import SyntheticBatches
 from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
-from carpool.model.cpu_kernels import has_quantized_matmul
+from carpool.model.cpu_kernels import has_kq_matmul, has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
-from carpool.model.quant import TILE_FROM
+from carpool.model.gguf_encode import requantize_gguf
+from carpool.model.quant import TILE_FROM, QuantizedLinear
 from tests.conftest import PROMPTS
 from tests.helpers import examples, run_greedy
 from tests.model.test_hf_models import write_checkpoint
@@ -63,16 +64,48 @@ def qwen2_engine(tmp_path_factory, engine_fp32):
     return engine
 
 
-def decode_step(engine: LLMEngine, contexts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one decode step over random cached contexts, and the sequences' KV after it
-    (the new tokens' included)."""
+@contextlib.contextmanager
+def integer_kernels(model):
+    """Every quantized layer on its integer kernel at any token count (tile_from 0)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    saved = [m.tile_from for m in layers]
+    for m in layers:
+        m.tile_from = 0
+    try:
+        yield
+    finally:
+        for m, t in zip(layers, saved):
+            m.tile_from = t
+
+
+def decode_step(engine: LLMEngine, contexts: list[int], seed: int, drafts: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one decode step over random cached contexts (each decode scoring `drafts`
+    speculative tokens after its own), and the sequences' KV after it (the new tokens' included)."""
     synthetic = SyntheticBatches(engine)
     try:
         g = torch.Generator().manual_seed(seed)
-        grants = [(synthetic.with_cached_context(n, g), 1) for n in contexts]
-        logits = synthetic.run(grants, all_logits=True, advance=False)
+        requests = [synthetic.with_cached_context(n, g) for n in contexts]
+        vocab = engine.model_config.vocab_size
+        for r in requests:
+            assert engine.block_manager.allocate(r, r.num_computed_tokens + 1 + drafts)
+            r.spec_token_ids = torch.randint(vocab, (drafts,), generator=g).tolist()
+        grants = [(r, 1) for r in requests]
+        if drafts:
+            batch = synthetic.batch(grants)
+            for i, r in enumerate(batch.requests):
+                batch.set_drafts(i, r.spec_token_ids)
+            runner = engine.runner
+            with torch.inference_mode():
+                plan = runner.plan(batch)
+                runner.clear_fresh_tails(plan)
+                ids, pos, meta = runner.tensors(plan)
+                logits = runner.model.compute_logits(runner.forward(ids, pos, meta))
+        else:
+            logits = synthetic.run(grants, all_logits=True, advance=False)
         runner = engine.runner
-        slots = [torch.from_numpy(runner.slots_for(r.block_ids, 0, r.num_computed_tokens + 1)) for r, _ in grants]
+        slots = [torch.from_numpy(runner.slots_for(r.block_ids, 0, r.num_computed_tokens + 1 + drafts))
+                 for r, _ in grants]
         return logits, runner.kv_cache[:, :, torch.cat(slots)]
     finally:
         synthetic.close()
@@ -100,6 +133,39 @@ def test_fused_equals_eager_exactly(engine, contexts, seed):
         want, want_cache = decode_step(engine, contexts, seed)
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)  # the new tokens' k, v written alike
+
+
+@pytest.mark.parametrize("contexts, drafts", [([40] * 16, 0), ([3, 200, 17, 90, 64], 4), ([300] * 12, 2)])
+def test_steps_past_the_tile_kernels_threshold_equal_eager_exactly(engine, contexts, drafts):
+    """From quant.TILE_FROM tokens the fused layers multiply with the tile kernel, as the eager
+    layers do; decodes with drafts attend as one run each, on both paths."""
+    tokens = len(contexts) * (1 + drafts)
+    assert tokens >= TILE_FROM
+    saved = engine.runner.fused
+    engine.runner.fused = counted = Counting(FusedLayers.build(engine.model, tokens))
+    try:
+        got, got_cache = decode_step(engine, contexts, 2, drafts)
+    finally:
+        engine.runner.fused = saved
+    assert counted.tokens == [tokens]
+    with eager(engine):
+        want, want_cache = decode_step(engine, contexts, 2, drafts)
+    assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+
+
+@pytest.mark.skipif(not has_kq_matmul(), reason="needs AVX-512 VNNI (csrc/kquant.c)")
+def test_a_k_quant_gguf_runs_fused_and_equals_eager(model_path, tmp_path):
+    """A GGUF's own K-quant codes run in the fused path too (kquant.c's kernels, both sizes)."""
+    path = str(tmp_path / "q4_k_m.gguf")
+    requantize_gguf(model_path, path, "Q4_K_M")
+    engine = LLMEngine(model=path, dtype="bfloat16", kv_cache_memory=32 << 20)
+    assert engine.model.layers[0].mlp.down_proj.kq is not None
+    assert engine.runner.fused is not None
+    for contexts in ([7], [30, 2, 111], [50] * 20):
+        got, got_cache = decode_step(engine, contexts, 3)
+        with eager(engine):
+            want, want_cache = decode_step(engine, contexts, 3)
+        assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
 
 
 def test_fused_equals_eager_with_biases(qwen2_engine):
@@ -153,15 +219,15 @@ def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, 
     decodes alone and then each chunk's tokens one per step: a chunk's queries share the passes
     over their context but each computes exactly what it would as a decode."""
     model, runner = engine.model, engine.runner
-    saved, runner.fused = runner.fused, FusedLayers.build(model, FUSED_MAX_TOKENS)
-    counted = runner.fused = Counting(runner.fused)
-    model.lm_head.tile_from = 0  # every row's logits from the integer kernel, however many rows
+    saved = runner.fused
     try:
-        got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
-        assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
-        want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
+        with integer_kernels(model):  # every row from the integer kernels, however many rows
+            counted = runner.fused = Counting(FusedLayers.build(model, FUSED_MAX_TOKENS))
+            got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
+            assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step
+            want, want_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=True)
     finally:
-        runner.fused, model.lm_head.tile_from = saved, TILE_FROM
+        runner.fused = saved
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)
 

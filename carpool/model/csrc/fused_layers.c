@@ -13,10 +13,13 @@
 
 #include "kernels.h"
 
-/* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`). */
+/* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`), by the
+   kernel QuantizedLinear.forward picks for this many tokens. */
 static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int64_t tokens, int64_t k, int64_t n,
                   int num_threads) {
-    if (!quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads)) return 0;
+    const int tiles = w->tiles && (!w->codes || (w->tile_from > 0 && tokens >= w->tile_from));
+    if (tiles ? !kq_matmul(w->tiles, x, y, tokens, 1, num_threads, w->tile_from)
+              : !quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads)) return 0;
     if (w->bias)
         for (int64_t i = 0; i < tokens * n; i++) y[i] = float_to_bf16(bf16_to_float(y[i]) + bf16_to_float(w->bias[i % n]));
     return 1;

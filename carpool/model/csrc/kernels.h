@@ -128,10 +128,23 @@ typedef struct {
 
 /* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
 
-/* A weight packed for quantized_matmul (min NULL: int8), with an optional bf16 bias. */
+/* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row. */
+typedef struct {
+    const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
+    const int8_t *sc, *mn;    /* per 16 input channels, or NULL (1) */
+    const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
+    int64_t n, k, bits, offset, super_size;
+    float m_sign;
+} KQuantWeight;
+/* A linear layer's weight: packed for quantized_matmul (min NULL: int8), and/or in kquant.c's
+   form (`tiles`: the same codes viewed so, or a GGUF's own K-quant codes with `codes` NULL), which
+   runs from `tile_from` tokens (0: never; a K-quant's integer kernel below it), with an optional
+   bf16 bias: the kernels the eager layer (QuantizedLinear) would pick. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scale, *min, *bias;
+    const KQuantWeight *tiles;
+    int64_t tile_from;
 } QuantizedWeight;
 
 typedef struct {
@@ -144,14 +157,6 @@ typedef struct {
     float eps, scale;
 } DecoderShape;
 
-/* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row. */
-typedef struct {
-    const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
-    const int8_t *sc, *mn;    /* per 16 input channels, or NULL (1) */
-    const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
-    int64_t n, k, bits, offset, super_size;
-    float m_sign;
-} KQuantWeight;
 
 /* The library's entry points: model/cpu_kernels.py reads these prototypes. */
 
