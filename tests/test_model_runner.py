@@ -23,11 +23,14 @@ from tests.helpers import examples, nan_in_unwritten_blocks, run_greedy, schedul
 def test_paths_by_token_count():
     """Fused up to FUSED_MAX_TOKENS, compiled from COMPILE_MIN_TOKENS, eager where the faster
     path is missing (or the fused one cannot attend the step: fused_max_tokens 0)."""
-    assert FUSED_MAX_TOKENS == COMPILE_MIN_TOKENS - 1  # no size falls between the two
-    for n in (1, 8, FUSED_MAX_TOKENS):
+    assert COMPILE_MIN_TOKENS <= FUSED_MAX_TOKENS + 1  # no size falls between the two
+    for n in (1, 8, COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS):
         assert choose_path(n, FUSED_MAX_TOKENS, compiled=True) is Path.FUSED
+    for n in (1, COMPILE_MIN_TOKENS - 1):
         assert choose_path(n, 0, compiled=True) is Path.EAGER
-    for n in (COMPILE_MIN_TOKENS, 512):
+    for n in (COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS):
+        assert choose_path(n, 0, compiled=True) is Path.COMPILED  # a model the fused path cannot run
+    for n in (FUSED_MAX_TOKENS + 1, 512):
         assert choose_path(n, FUSED_MAX_TOKENS, compiled=True) is Path.COMPILED
         assert choose_path(n, FUSED_MAX_TOKENS, compiled=False) is Path.EAGER
     assert choose_path(9, 8, compiled=True) is Path.EAGER  # a fused path built for smaller steps

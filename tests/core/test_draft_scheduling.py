@@ -189,5 +189,5 @@ def test_a_compute_bound_batch_takes_only_drafts_worth_a_token():
     cost = fitted(0.001, 0.001)  # 16 decodes: 17 ms, a draft costs what a token costs
     _, batch = slo_with_decodes(cost, 0.3, 0.8, 16, 5)
     assert batch.num_draft_tokens == 0  # a draft yields 0.8 tokens for a token's cost: worse than a decode
-    _, batch = slo_with_decodes(fitted(0.016, 0.0001), 0.3, 0.8, 16, 5)  # fixed cost dominates
-    assert batch.num_draft_tokens == 16 * 5
+    _, batch = slo_with_decodes(fitted(0.016, 0.0001), 0.3, 0.8, 16, 4)  # fixed cost dominates
+    assert batch.num_draft_tokens == 16 * 4  # (80 tokens: within the small steps, step_cost.SMALL_STEP_TOKENS)

@@ -18,7 +18,7 @@ from carpool.harness.synthetic import SyntheticBatches
 from carpool.engine import LLMEngine
 from carpool.model import compiled as compiled_module
 from carpool.model.loader import load_model
-from carpool.model.paths import COMPILE_MIN_TOKENS, Path
+from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS, Path
 from carpool.model_runner import ModelRunner
 from carpool.sampling_params import SamplingParams
 from tests.conftest import PROMPTS
@@ -191,20 +191,25 @@ def test_compiled_greedy_equals_eager(engine):
 
 def test_the_runner_picks_the_path_per_step(engine):
     """Decode-only steps: fused up to FUSED_MAX_TOKENS where the model has the fused layers,
-    compiled from COMPILE_MIN_TOKENS, eager otherwise; without compiled layers, eager."""
+    else compiled from COMPILE_MIN_TOKENS and eager below; without compiled layers, eager."""
     runner = engine.runner
     synthetic = SyntheticBatches(engine)
     try:
         g = torch.Generator().manual_seed(0)
-        requests = [synthetic.with_cached_context(20, g) for _ in range(COMPILE_MIN_TOKENS)]
+        requests = [synthetic.with_cached_context(20, g) for _ in range(FUSED_MAX_TOKENS + 1)]
         with torch.inference_mode():
             def path(n):
                 plan = runner.plan(synthetic.batch([(r, 1) for r in requests[:n]]))
                 return runner.path(n, runner.tensors(plan)[2])
-            small = Path.FUSED if runner.fused is not None else Path.EAGER
-            assert path(COMPILE_MIN_TOKENS - 1) is small and path(COMPILE_MIN_TOKENS) is Path.COMPILED
+            first_compiled = COMPILE_MIN_TOKENS
+            if runner.fused is not None:
+                assert path(COMPILE_MIN_TOKENS) is path(FUSED_MAX_TOKENS) is Path.FUSED
+                first_compiled = FUSED_MAX_TOKENS + 1
+            else:
+                assert path(COMPILE_MIN_TOKENS - 1) is Path.EAGER
+            assert path(first_compiled) is Path.COMPILED
             with eager(runner):
-                assert path(COMPILE_MIN_TOKENS) is Path.EAGER
+                assert path(first_compiled) is Path.EAGER
     finally:
         synthetic.close()
     assert_untouched(engine.model)

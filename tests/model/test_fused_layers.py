@@ -16,7 +16,7 @@ from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
 from carpool.model.cpu_kernels import has_kq_matmul, has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
-from carpool.model.paths import COMPILE_MIN_TOKENS, FUSED_MAX_TOKENS
+from carpool.model.paths import FUSED_MAX_TOKENS
 from carpool.model.gguf_encode import requantize_gguf
 from carpool.model.quant import TILE_FROM, QuantizedLinear
 from tests.conftest import PROMPTS
@@ -272,8 +272,8 @@ def test_only_where_every_layer_runs_the_c_kernels(engine, engine_fp32, model_pa
     assert engine_fp32.runner.fused is None  # fp32: torch's kernels, the reference arithmetic
     dense = LLMEngine(model=model_path, dtype="bfloat16", quantization="none", kv_cache_memory=16 << 20)
     assert dense.runner.fused is None
-    assert FusedLayers.build(engine.model).max_tokens == COMPILE_MIN_TOKENS - 1  # below the compiled sizes
-    assert SMALL_STEP_TOKENS == COMPILE_MIN_TOKENS  # where the step-cost fit expects the jump
+    assert FusedLayers.build(engine.model).max_tokens == FUSED_MAX_TOKENS
+    assert SMALL_STEP_TOKENS == FUSED_MAX_TOKENS + 1  # where the step-cost fit expects the jump
     down = engine.model.layers[-1].mlp.down_proj
     kernel, down.kernel = down.kernel, None  # one weight on torch's kernel
     try:
