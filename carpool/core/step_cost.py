@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from carpool.model.paths import FUSED_MAX_TOKENS
-
 if TYPE_CHECKING:
     from carpool.core.scheduler import ScheduledBatch
 
@@ -72,8 +70,9 @@ HINGES = (64, 256, 1024)
 # Below this many tokens a step may run another path with its own fixed cost: on CPU the fused
 # layers (all layers in one C call) up to 95 tokens, compiled graphs past that (model/paths.py);
 # on a GPU, CUDA graphs end at a batch size likewise. A 24-token fused step took 16 ms and a
-# 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend.
-SMALL_STEP_TOKENS = FUSED_MAX_TOKENS + 1
+# 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend. The scheduler's layer
+# may not import the model's, so test_fused_layers pins this to model.paths.FUSED_MAX_TOKENS + 1.
+SMALL_STEP_TOKENS = 96
 SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # A draft token costs a token (`tokens`) plus what its own feature learns (its row of attention,
 # of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
