@@ -95,13 +95,16 @@ def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim,
 
 @settings(max_examples=examples(40), deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=4),
-       block=st.sampled_from([1, 5, 16]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),
-       run=st.sampled_from([1, 3, 8]), bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_paged_attention_runs_is_causal_over_each_context(seqs, block, kv_heads, group, run, bf16, seed):
+       block=st.sampled_from([1, 5, 16, 32]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3, 4]),
+       run=st.sampled_from([1, 3, 8]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_paged_attention_runs_is_causal_over_each_context(seqs, block, kv_heads, group, run, dim, bf16, seed):
     """Sequences of (cached tokens, new tokens), their new tokens split into runs of `run`
-    queries; each run's k, v written to its slots first, every query seeing its own prefix."""
+    queries; each run's k, v written to its slots first, every query seeing its own prefix. Runs
+    of up to 32 query rows, blocks of whole 16s or not: the AMX scores' tiles, where the CPU has
+    them, and every other path."""
     gen = torch.Generator().manual_seed(seed)
-    dtype, dim = (torch.bfloat16 if bf16 else torch.float32), 64
+    dtype = torch.bfloat16 if bf16 else torch.float32
     used = [-(-(c + n) // block) for c, n in seqs]
     cache = torch.randn(2, (sum(used) + 1) * block, kv_heads, dim, generator=gen).to(dtype)
     perm = torch.randperm(sum(used) + 1, generator=gen).tolist()

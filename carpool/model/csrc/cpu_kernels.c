@@ -123,6 +123,153 @@ static inline __attribute__((always_inline)) void accumulate_row(
         for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += p[g * stride] * v[d];
 }
 
+#ifdef __AVX512F__
+/* A whole block at once, for every query row of the run. The per-row passes above spend most of
+   their time on one horizontal sum per (key, query) and on loading and storing the outputs per
+   key; here a query row's 16 keys reduce together (sum16) and a slice of four rows' outputs stays
+   in registers over the block. Rows that see only part of the block score every key of it: the
+   softmax reads only what a row sees and zeroes the rest, so those keys add nothing to its output
+   and each row's output equals what a decode of it alone computes. With AVX512-BF16 and a bf16
+   cache and a head_dim of whole 32-lane vectors the scores multiply the bf16 query and keys
+   directly (`vdpbf16ps`: exact products, fp32 sums); fp32 otherwise. */
+#define IN_BLOCKS(dim) IN_PLACE(dim)
+#if defined(__AVX512BF16__)
+#define DOT_BF16 1
+#endif
+
+/* Lane o of the result is the horizontal sum of v[SUM16_SLOT[o]]: four rounds of halving. */
+static const int SUM16_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int o = 0; o < 8; o++)
+        w[o] = _mm512_add_ps(_mm512_shuffle_f32x4(v[o], v[o + 8], 0x44), _mm512_shuffle_f32x4(v[o], v[o + 8], 0xee));
+    for (int o = 0; o < 4; o++)
+        x[o] = _mm512_add_ps(_mm512_shuffle_f32x4(w[o], w[o + 4], 0x88), _mm512_shuffle_f32x4(w[o], w[o + 4], 0xdd));
+    for (int o = 0; o < 2; o++)
+        y[o] = _mm512_add_ps(_mm512_shuffle_ps(x[o], x[o + 2], 0x44), _mm512_shuffle_ps(x[o], x[o + 2], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+
+/* scores[g * stride + o] = scale * q_g . k_o for the block's n (<= 16 per pass) rows. `qb` is the
+   queries in the cache's own type (bf16 rows for DOT_BF16, else fp32 rows). */
+static inline __attribute__((always_inline)) void score_block(
+        const float *qf, const uint16_t *qb, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
+        int64_t dim, int64_t queries, float *scores, int64_t stride, float scale) {
+    for (int64_t o0 = 0; o0 < n; o0 += 16) {
+        const int64_t keys = n - o0 < 16 ? n - o0 : 16;
+        const __mmask16 mask = (__mmask16)((1u << keys) - 1);
+        for (int64_t g = 0; g < queries; g++) {
+            __m512 part[16];
+#pragma GCC unroll 16
+            for (int o = 0; o < 16; o++) {  /* unrolled, so that part[] stays in registers */
+                const char *row = first_row + (o0 + o) * slot_bytes;
+                __m512 sum = _mm512_setzero_ps();
+                if (o < keys) {
+#ifdef DOT_BF16
+                    if (is_bf16 && dim % 32 == 0) {
+                        for (int64_t d = 0; d < dim; d += 32)
+                            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qb + g * dim + d),
+                                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)row + d));
+                    } else
+#endif
+                        for (int64_t d = 0; d < dim; d += 16)
+                            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + d), load16f(row, is_bf16, d), sum);
+                }
+                part[SUM16_SLOT[o]] = sum;
+            }
+            _mm512_mask_storeu_ps(scores + g * stride + o0, mask, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* acc_g += sum_o p[g * stride + o] v_o over the block's n rows, for `nr` (<= 4) query rows; 64
+   dims of the outputs at a time stay in registers. */
+static inline __attribute__((always_inline)) void accumulate_rows(
+        float *acc, const float *p, int64_t stride, const int nr, const char *first_row, int64_t slot_bytes,
+        int64_t n, int is_bf16, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int slices = dim - d0 >= 64 ? 4 : (int)((dim - d0) / 16);
+        __m512 sum[4][4];
+        for (int g = 0; g < nr; g++)
+            for (int j = 0; j < slices; j++) sum[g][j] = _mm512_loadu_ps(acc + g * dim + d0 + 16 * j);
+        for (int64_t o = 0; o < n; o++) {
+            const char *row = first_row + o * slot_bytes;
+            for (int j = 0; j < slices; j++) {
+                const __m512 v = load16f(row, is_bf16, d0 + 16 * j);
+                for (int g = 0; g < nr; g++)
+                    sum[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + o]), v, sum[g][j]);
+            }
+        }
+        for (int g = 0; g < nr; g++)
+            for (int j = 0; j < slices; j++) _mm512_storeu_ps(acc + g * dim + d0 + 16 * j, sum[g][j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_block(
+        float *acc, const float *p, int64_t stride, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
+        int64_t dim, int64_t queries) {
+    for (int64_t g = 0; g < queries; g += 4) {
+        float *a = acc + g * dim;
+        const float *pg = p + g * stride;
+#define ACCUMULATE(nr) accumulate_rows(a, pg, stride, nr, first_row, slot_bytes, n, is_bf16, dim)
+        if (queries - g >= 4) ACCUMULATE(4);
+        else if (queries - g == 3) ACCUMULATE(3);
+        else if (queries - g == 2) ACCUMULATE(2);
+        else ACCUMULATE(1);
+#undef ACCUMULATE
+    }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The scores on AMX's bf16 unit, where Linux grants it (quant_amx_supported): one `tdpbf16ps`
+   takes 16 keys (A: the block's rows, loaded in place from the cache) against 16 query rows
+   (B: the queries packed once per task) over 32 dims. The product comes out [key][row] and is
+   copied out row by row. Every query row's scores come from the same instructions whatever rows
+   share its tile, so runs and decodes agree as on the other paths. */
+#define HAVE_ATTENTION_AMX 1
+#define AMX_SCORES(is_bf16, dim, block_size) ((is_bf16) && (dim) % 32 == 0 && (block_size) % 16 == 0)
+
+static void configure_score_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;  /* sums, keys, queries */
+    _tile_loadconfig(&cfg);
+}
+
+/* The bf16 queries qb [rows, dim] as B tiles: per 16 rows and 32 dims, [16 dim pairs][16 rows]
+   of 32-bit pairs, rows past `rows` zero. */
+static void pack_query_tiles(const uint16_t *qb, int64_t rows, int64_t dim, uint32_t *tiles) {
+    const int64_t chunks = dim / 32;
+    memset(tiles, 0, sizeof(uint32_t) * 256 * (size_t)(((rows + 15) / 16) * chunks));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t p = 0; p < 16; p++)
+                tiles[((r / 16) * chunks + c) * 256 + p * 16 + r % 16] = ((const uint32_t *)(qb + r * dim))[c * 16 + p];
+}
+
+static inline __attribute__((always_inline)) void score_block_amx(
+        const uint32_t *tiles, const char *first_row, int64_t slot_bytes, int64_t n, int64_t dim, int64_t rows,
+        float *scores, int64_t stride, float scale, float *sums) {
+    const int64_t chunks = dim / 32;
+    for (int64_t o0 = 0; o0 < n; o0 += 16) {  /* a block of whole 16s: the rows past n are read, not used */
+        const int64_t keys = n - o0 < 16 ? n - o0 : 16;
+        for (int64_t t = 0; t < rows; t += 16) {
+            _tile_zero(0);
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(1, first_row + o0 * slot_bytes + c * 64, slot_bytes);
+                _tile_loadd(2, tiles + ((t / 16) * chunks + c) * 256, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, sums, 64);
+            for (int64_t r = t; r < rows && r < t + 16; r++)
+                for (int64_t o = 0; o < keys; o++) scores[r * stride + o0 + o] = sums[o * 16 + r - t] * scale;
+        }
+    }
+}
+#endif
+
 #ifdef AVX2_ROWS
 /* A whole block at once, where every query row sees all of its rows (always, for decodes). With
    AVX2 the per-row passes above are bound by their horizontal sums and by the loads and stores of
@@ -240,22 +387,43 @@ static inline void softmax(float *row, int64_t seen) {
 static inline __attribute__((always_inline)) int attend_kv_head(
         const char *q, int64_t q_row, char *out, int64_t out_row, int64_t nq, const char *k_head,
         const char *v_head, const int64_t *table, int64_t len, int64_t group, int64_t slot_bytes, int64_t block_size,
-        float scale, const int is_bf16, const int64_t dim) {
+        float scale, const int is_bf16, const int64_t dim, const int amx) {
     const int64_t elem = is_bf16 ? 2 : 4, rows = nq * group, first_run_row = len - nq;
-    float *scores = malloc(sizeof(float) * (size_t)(rows * len + (2 * rows + 1) * dim));
+    const size_t tile_bytes = 1024 * (size_t)(((rows + 15) / 16) * (dim / 32) + 1);  /* query tiles, sums */
+    float *scores = malloc(sizeof(float) * (size_t)(rows * len + (2 * rows + 1) * dim) + 2 * (size_t)(rows * dim) +
+                           (amx ? tile_bytes : 0));
     if (!scores) return 0;
     float *qf = scores + rows * len, *acc = qf + rows * dim, *buf = acc + rows * dim;
+    uint16_t *qb = (uint16_t *)(buf + dim);  /* the queries as bf16, where they are */
+    uint32_t *query_tiles = (uint32_t *)(qb + rows * dim);
+    float *tile_sums = (float *)(query_tiles + (tile_bytes - 1024) / 4);
     prefetch_rows(k_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
     for (int64_t i = 0; i < nq; i++)
-        for (int64_t g = 0; g < group; g++)
+        for (int64_t g = 0; g < group; g++) {
             memcpy(qf + (i * group + g) * dim, as_float(q + i * q_row + g * dim * elem, is_bf16, dim, buf),
                    sizeof(float) * (size_t)dim);
+            if (is_bf16) memcpy(qb + (i * group + g) * dim, q + i * q_row + g * dim * elem, 2 * (size_t)dim);
+        }
+#ifdef HAVE_ATTENTION_AMX
+    if (amx) pack_query_tiles(qb, rows, dim, query_tiles);
+#endif
     for (int64_t first = 0; first < len; first += block_size) {
         const char *cached = k_head + table[first / block_size] * block_size * slot_bytes;
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
-#ifdef AVX2_ROWS
+#ifdef HAVE_ATTENTION_AMX
+        if (amx) {
+            score_block_amx(query_tiles, cached, slot_bytes, n, dim, rows, scores + first, len, scale, tile_sums);
+            continue;
+        }
+#endif
+#ifdef __AVX512F__
+        if (IN_BLOCKS(dim)) {
+            score_block(qf, qb, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale);
+            continue;
+        }
+#elif defined(AVX2_ROWS)
         if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
             score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale);
             continue;
@@ -267,7 +435,11 @@ static inline __attribute__((always_inline)) int attend_kv_head(
                       len, scale, buf);
         }
     }
-    for (int64_t r = 0; r < rows; r++) softmax(scores + r * len, first_run_row + 1 + r / group);
+    for (int64_t r = 0; r < rows; r++) {  /* and a row's unseen keys weigh 0 (blocks go whole) */
+        const int64_t seen = first_run_row + 1 + r / group;
+        softmax(scores + r * len, seen);
+        memset(scores + r * len + seen, 0, sizeof(float) * (size_t)(len - seen));
+    }
     memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
     prefetch_rows(v_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
     for (int64_t first = 0; first < len; first += block_size) {
@@ -275,7 +447,12 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         const int64_t n = len - first < block_size ? len - first : block_size;
         if (first + block_size < len) prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes,
                                                     block_size, slot_bytes, dim * elem);
-#ifdef AVX2_ROWS
+#ifdef __AVX512F__
+        if (IN_BLOCKS(dim)) {
+            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows);
+            continue;
+        }
+#elif defined(AVX2_ROWS)
         if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
             accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, 0, dim);
             continue;
@@ -431,7 +608,16 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
                        (const char *)v_new + (t * v_stride + h * head_dim) * elem, (size_t)row_bytes);
             }
     }
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    int amx = 0;
+#ifdef HAVE_ATTENTION_AMX
+    amx = AMX_SCORES(is_bf16, head_dim, block_size) && quant_amx_supported();
+#endif
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef HAVE_ATTENTION_AMX
+    if (amx) configure_score_tiles();
+#endif
+#pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_runs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t t0 = query_starts ? query_starts[s] : s, nq = query_starts ? query_starts[s + 1] - t0 : 1;
@@ -447,7 +633,7 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
                 memcpy((char *)v_head + to, v_row, (size_t)row_bytes);
             }
 #define ATTEND(bf16, dim) attend_kv_head(qs, q_stride * elem, os, out_stride * elem, nq, k_head, v_head, table, \
-                                         context_lens[s], group, slot_bytes, block_size, scale, bf16, dim)
+                                         context_lens[s], group, slot_bytes, block_size, scale, bf16, dim, amx)
             int done;
             if (is_bf16 && head_dim == 64) done = ATTEND(1, 64);
             else if (is_bf16 && head_dim == 128) done = ATTEND(1, 128);
@@ -460,6 +646,10 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
                 ok = 0;
             }
         }
+    }
+#ifdef HAVE_ATTENTION_AMX
+    if (amx) _tile_release();
+#endif
     }
     return ok;
 }
