@@ -275,6 +275,7 @@ class LLMEngine:
         now = time.monotonic()
         failed: dict[int, RequestOutput] = {}
         kept = [0] * len(ready)
+        first: dict[int, int] = {}  # each request's first token of the step
         active, position = list(range(len(ready))), 0
         while active:
             sampled = [i for i in active if position == 0 or i not in argmax]
@@ -296,6 +297,7 @@ class LLMEngine:
                     continue
                 if lp is not None:
                     self.outputs.append_logprobs(request, token, lp)
+                first.setdefault(i, token)
                 status = self.outputs.append_token(request, token, now)
                 if status is None and request.grammar is not None and self.structured.is_complete(request):
                     status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
@@ -313,6 +315,8 @@ class LLMEngine:
                 if request.spec is not None:
                     request.spec.observe(len(drafts[i]), kept[i])
                 self.scheduler.end_verification(request)
+            elif request.spec_token_ids and request.spec is not None and i in first:
+                request.spec.observe_unscored(request.spec_token_ids[0] == first[i])
         return [failed[i] if i in failed else self.outputs.make_output(r) for i, r in enumerate(ready)]
 
     @staticmethod

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from carpool.core.block_manager import BlockManager
 from carpool.core.step_cost import BatchShape, ChunkSizes, StepCostModel
 from carpool.request import Request, RequestStatus
-from carpool.spec.acceptance import PRIOR, reachable
+from carpool.spec.acceptance import SpecState, reachable
 
 
 @dataclass
@@ -314,7 +314,7 @@ class Scheduler:
         """How many of entry `i`'s proposed tokens the step takes: those its acceptance record
         says are likely enough to be kept (spec/acceptance.py), as far as the budget goes."""
         spec = batch.requests[i].spec  # (a request whose drafts keep failing asks for one probe)
-        likely = len(proposal) if spec is None else max(1, reachable(spec.acceptance, len(proposal)))
+        likely = len(proposal) if spec is None else max(1, reachable(spec, len(proposal)))
         return min(likely, self.budget_left(batch))
 
     def schedule(self) -> ScheduledBatch:
@@ -417,8 +417,8 @@ class SloSarathiScheduler(SarathiScheduler):
 
     def schedule_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts by their worth, with the step-time fit pricing them. A request's j-th draft is
-        kept with chance a^j (a: its acceptance record, spec/acceptance.py), so it yields that
-        many tokens on average; drafts are taken most likely first while each one's expected
+        kept with the chance its record gives (SpecState.keep_chance, spec/acceptance.py), so it
+        yields that many tokens on average; drafts are taken most likely first while each one's expected
         tokens per second of predicted step time it adds is at least the rate of the decodes' own
         step with the drafts taken so far, and the step stays within the target (never the
         relaxed limit a non-strict step may take for prefills: drafts are optional work). On a
@@ -429,7 +429,7 @@ class SloSarathiScheduler(SarathiScheduler):
         if batch.num_prefill_tokens or not any(r.spec_token_ids for r, d in zip(batch.requests, batch.is_decode) if d):
             return
         limit = min(self.step_limit, self.target_tbt)
-        worth = sorted(((PRIOR if r.spec is None else r.spec.acceptance) ** (j + 1), -j, i)
+        worth = sorted(((r.spec or SpecState()).keep_chance(j), -j, i)
                        for i, r in enumerate(batch.requests) if batch.is_decode[i]
                        for j in range(len(r.spec_token_ids)))
         shape = BatchShape.of(batch)

@@ -182,6 +182,8 @@ class Replica:
                 r.spec.observe(len(drafts), accepted)
                 self.scheduler.end_verification(r)
                 mb.num_accepted += accepted
+            elif r.spec_token_ids and r.spec is not None:  # a proposal not scored, as the engine learns from it
+                r.spec.observe_unscored(self.num_kept(1) == 1)
         self.propose([r for r in ready if r.status is RequestStatus.RUNNING])
         return finished
 

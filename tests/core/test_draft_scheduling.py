@@ -167,7 +167,7 @@ def slo_with_decodes(cost: StepCostModel, target: float, acceptance: float, num_
     sched.commit(sched.schedule())
     for r in reqs:
         r.append_token(4, 0.0)
-        r.spec = SpecState(acceptance=acceptance)
+        r.spec = SpecState(acceptance=acceptance, continuation=acceptance)
         r.spec_token_ids = [7] * proposal
     return sched, sched.schedule()
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from carpool.request import RequestStatus
 from carpool.sampling_params import SamplingParams
+from carpool.spec.acceptance import PRIOR
 from tests.helpers import examples, nan_in_unwritten_blocks, scheduler_config
 from tests.spec.helpers import speculating
 
@@ -127,3 +128,15 @@ def test_unsupported_methods_are_refused_by_name(engine_fp32, method):
 
     with pytest.raises(ValueError, match=method):
         SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3})
+
+
+def test_a_request_priced_out_of_drafts_still_learns_from_its_proposals(engine_fp32, monkeypatch):
+    """Under load the scheduler may score none of a request's drafts; its record then follows
+    its proposals' first tokens against what was sampled, so it can earn drafts back."""
+    monkeypatch.setattr(engine_fp32.scheduler, "schedule_drafts", lambda batch: None)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with speculating(engine_fp32, 4):
+        req, = generate(engine_fp32, [REPEATING[0]], sp)
+        assert engine_fp32.spec_stats.num_draft_tokens == 0
+    assert req.spec is not None and req.spec.acceptance > PRIOR  # the count goes on: its proposals were right
+    assert req.spec.continuation == PRIOR  # nothing scored, nothing known past the first draft
