@@ -418,14 +418,15 @@ class SloSarathiScheduler(SarathiScheduler):
     def schedule_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts by their worth, with the step-time fit pricing them. A request's j-th draft is
         kept with the chance its record gives (SpecState.keep_chance, spec/acceptance.py), so it
-        yields that many tokens on average; drafts are taken most likely first while each one's expected
-        tokens per second of predicted step time it adds is at least the rate of the decodes' own
-        step with the drafts taken so far, and the step stays within the target (never the
-        relaxed limit a non-strict step may take for prefills: drafts are optional work). On a
-        batch of one a draft costs a fraction of a token's step and nearly all are taken; once a
-        batch is large enough to be compute-bound, a draft costs what a token costs and only the
-        likeliest are. A step that carries a prefill chunk takes none: drafts would lengthen it,
-        and that chunk (its stream's first token) and every decode in it would wait for them."""
+        yields that many tokens on average; drafts are taken most likely first while each one's
+        expected tokens per second of predicted step time it adds is at least the rate of the
+        decodes' own step with the drafts taken so far, and the step stays within the target
+        (never the relaxed limit a non-strict step may take for prefills: drafts are optional
+        work). On a batch of one a draft costs a fraction of a token's step and nearly all are
+        taken; once a batch is large enough to be compute-bound, a draft costs what a token costs
+        and only the likeliest are. A step that carries a prefill chunk takes none: drafts would
+        lengthen it, and that chunk (its stream's first token) and every decode in it would wait
+        for them."""
         if batch.num_prefill_tokens or not any(r.spec_token_ids for r, d in zip(batch.requests, batch.is_decode) if d):
             return
         limit = min(self.step_limit, self.target_tbt)

@@ -9,9 +9,9 @@ spec` the kept share was 0.84 for the first two positions and 0.94-0.96 for the 
 A request is asked for the full `num_speculative_tokens` while its first draft is worth it
 (acceptance >= MIN_REACH); the scheduler decides how many of them a step scores: under the
 step-time target, those worth their predicted cost (core/scheduler.py); with a fixed budget, the
-run whose last one still has MIN_REACH chance (`reachable`). A request whose drafts keep failing
-asks for none, but for one every PROBE_EVERY steps, so it notices when its output starts
-repeating.
+run whose last one still has MIN_REACH chance (`reachable`). A proposal a step did not score
+still teaches `acceptance` (`observe_unscored`). A request whose drafts keep failing asks for
+none, but for one every PROBE_EVERY steps, so it notices when its output starts repeating.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ class SpecState:
         self.acceptance += RATE * (float(num_accepted > 0) - self.acceptance)
         for kept in [1.0] * (num_accepted - 1) + [0.0] * (0 < num_accepted < num_drafts):
             self.continuation += RATE * (kept - self.continuation)
-
 
     def observe_unscored(self, kept: bool) -> None:
         """A proposal the step did not score still says how its first draft would have fared (it
