@@ -444,8 +444,9 @@ class SloSarathiScheduler(SarathiScheduler):
             if -j != taken or batch.total_tokens >= cap:
                 continue  # an earlier draft of this request was not taken (or no room is left)
             batch.set_drafts(i, proposal[:taken + 1])
-            after = self.cost.predict(BatchShape.of(batch))
-            if after * self.cost.margin > limit or gain * seconds < tokens * (after - before):
+            shape = BatchShape.of(batch)
+            after = self.cost.predict(shape)
+            if after * self.cost.margin_for(shape) > limit or gain * seconds < tokens * (after - before):
                 batch.set_drafts(i, proposal[:taken])
                 continue
             seconds, tokens, before = seconds + after - before, tokens + gain, after

@@ -73,6 +73,7 @@ HINGES = (64, 256, 1024)
 # 32-token compiled one 33 ms (`carpool bench hybrid`): a jump, not a bend. The scheduler's layer
 # may not import the model's, so test_fused_layers pins this to model.paths.FUSED_MAX_TOKENS + 1.
 SMALL_STEP_TOKENS = 96
+MIN_KIND_STEPS = 8  # steps of a kind (with or without a prefill chunk) that give it its own margin
 SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # A draft token costs a token (`tokens`) plus what its own feature learns (its row of attention,
 # of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
@@ -85,7 +86,7 @@ SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
             "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
             "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}", f"tokens up to {SMALL_STEP_TOKENS}")
-# Scales that bring each feature near 1 for a typical batch, so the ridge term treats them alike.
+# Scales that bring each feature near 1 for a typical batch, so the normal equations stay well conditioned.
 _SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0, 1e-1, 1e-1, 1e-1)
 
 
@@ -101,15 +102,15 @@ def features(shape: BatchShape) -> list[float]:
     return [x * s for x, s in zip(raw, _SCALE)]
 
 
-def nonnegative_least_squares(ata: np.ndarray, atb: np.ndarray, ridge: float,
+def nonnegative_least_squares(ata: np.ndarray, atb: np.ndarray, ridge: float | np.ndarray,
                               free: Sequence[int] | None = None) -> list[float]:
-    """min |A w - y|^2 + ridge |w|^2 subject to w >= 0, from the normal equations, by an active
+    """min |A w - y|^2 + sum(ridge * w^2) subject to w >= 0, from the normal equations, by an active
     set: solve over the free weights; pin the most negative one to 0 while any is negative; free
     the pinned weight that most lowers the objective while any would. `free`: where to start (the
     last fit's nonzero weights: the set moves little between refits, so a refit is one or two
     solves)."""
     k = len(atb)
-    a = ata + ridge * np.eye(k)
+    a = ata + np.diag(np.broadcast_to(ridge, (k,)))
     free = list(range(k)) if free is None else sorted(free)
     w = np.zeros(k)
     for _ in range(4 * k):  # an active set can cycle on ties; this is many times what a fit takes
@@ -149,12 +150,20 @@ class StepCostModel:
         steps lagged the fit, and the simulated SLO budget (Mistral-7B on an A100, strict) then
         put 2% of its token gaps over target and held 3.67 QPS against the fixed 512 budget's 4.56
         (4.36 with the margin retaken at each refit and counted per decode row).
-    margin_from: only steps predicted at least this long (seconds) set the margin, once 16 of
+    margin_from: only steps predicted at least this long (seconds) set a margin, once enough of
         them are in the window: a few ms of jitter is 70% of a lone decode and 1% of a full
         step, and a margin of 1.75x from served decodes held full steps to 70% of their target.
         The SLO policy sets it to half its target.
     refit_every: observations between solves (a solve and its margin, numpy over the window, are
         well under a ms of Python).
+
+    Steps that carry a prefill chunk and steps that do not each get a margin from their own kind
+    once `MIN_KIND_STEPS` of it are in the window (its long steps if that many, else all of it),
+    and from all steps (the long ones if 16) before that. The fit learns mostly from the many
+    decode steps and can be off on the few chunk steps in its own direction: in a 16-request
+    burst with speculation (Intel Xeon with AMX) the first burst's chunk steps ran 1.07x their
+    plan (up to 1.32x) while its decode steps ran 0.67x, and one margin over both left the chunk
+    steps, which set the largest token gap, unguarded.
     """
 
     decay: float = 0.998
@@ -175,8 +184,9 @@ class StepCostModel:
         self._recent_x = np.zeros((self.window, k))
         self._recent_y = np.zeros(self.window)
         self._recent_rows = np.zeros(self.window)
+        self._recent_chunks = np.zeros(self.window, dtype=bool)  # the step carried a prefill chunk
         self._num_recent = 0
-        self._margin = 1.0
+        self._margins = {False: 1.0, True: 1.0}  # by whether a step carries a prefill chunk
         self._pending = 0
 
     # ------------------------------------------------------------ predictions
@@ -185,11 +195,16 @@ class StepCostModel:
 
     @property
     def margin(self) -> float:
-        """The `quantile` of recent measured / predicted ratios, clamped to [1, 2]."""
-        return self._margin
+        """The larger of the two kinds' margins (for reports; plans use `upper`)."""
+        return max(self._margins.values())
+
+    def margin_for(self, shape: BatchShape) -> float:
+        """The `quantile` of recent measured / predicted ratios of steps of this shape's kind
+        (with or without a prefill chunk), clamped to [1, 2]."""
+        return self._margins[bool(shape.prefills)]
 
     def upper(self, shape: BatchShape) -> float:
-        return self.predict(shape) * self._margin
+        return self.predict(shape) * self.margin_for(shape)
 
     @property
     def ready(self) -> bool:
@@ -207,6 +222,7 @@ class StepCostModel:
         x = features(shape)
         i = self._num_recent % self.window
         self._recent_x[i], self._recent_y[i], self._recent_rows[i] = x, seconds, len(shape.decode_contexts)
+        self._recent_chunks[i] = bool(shape.prefills)
         self._num_recent += 1
         self._add(x, seconds, 1.0 / seconds**2)  # relative errors: see _add
         self.num_observations += 1
@@ -251,20 +267,32 @@ class StepCostModel:
         if trace <= 0:
             return
         free = [i for i, w in enumerate(self.weights) if w > 0] if any(self.weights) else None
-        self.weights = nonnegative_least_squares(self._ata, self._atb, self.ridge * trace / len(FEATURES), free)
+        # The ridge scales with each feature's own weight in the fit (and a floor for features
+        # no step has shown, e.g. drafts before any): one ridge over all, a share of the trace,
+        # pulled the features a profile shows least toward zero and cost a recovered synthetic
+        # cost up to 9.6% on some batches (0.7% this way: tests/sim/test_profile.py).
+        ridge = self.ridge * (np.diag(self._ata) + 1e-6 * trace / len(FEATURES))
+        self.weights = nonnegative_least_squares(self._ata, self._atb, ridge, free)
         n = min(self._num_recent, self.window)
         if self.ready and n >= 16:
             predicted = self._recent_x[:n] @ np.asarray(self.weights)
             usable = predicted > 0
             long = usable & (predicted >= self.margin_from)
-            chosen = long if long.sum() >= 16 else usable
-            if chosen.any():
-                ratios = self._recent_y[:n][chosen] / predicted[chosen]
-                counts = np.maximum(self._recent_rows[:n][chosen], 1.0)
-                order = np.argsort(ratios)
-                share = np.cumsum(counts[order]) / counts.sum()
-                q = ratios[order][min(int(np.searchsorted(share, self.quantile, side="right")), len(order) - 1)]
-                self._margin = min(max(float(q), 1.0), 2.0)
+            pooled = long if long.sum() >= 16 else usable
+            for chunks in (False, True):
+                kind = self._recent_chunks[:n] == chunks
+                chosen = next((c for c in (long & kind, usable & kind) if c.sum() >= MIN_KIND_STEPS), pooled)
+                if chosen.any():
+                    self._margins[chunks] = self._quantile_ratio(self._recent_y[:n][chosen] / predicted[chosen],
+                                                                 self._recent_rows[:n][chosen])
+
+    def _quantile_ratio(self, ratios: np.ndarray, rows: np.ndarray) -> float:
+        """The `quantile` of the ratios, each counted once per decode row (at least once), in [1, 2]."""
+        counts = np.maximum(rows, 1.0)
+        order = np.argsort(ratios)
+        share = np.cumsum(counts[order]) / counts.sum()
+        q = ratios[order][min(int(np.searchsorted(share, self.quantile, side="right")), len(order) - 1)]
+        return min(max(float(q), 1.0), 2.0)
 
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each raw feature (for reports)."""

@@ -7,7 +7,11 @@ time is timed), each under a scheduler chosen for the batches it makes:
   to 1 (which then runs 24 steps alone) at contexts of 128 to 4,096;
 - prefill sizes: prompts of 16 .. 2,048 tokens under vLLM's whole prefills and sarathi's chunks
   of 512 and 128, beside whatever decodes are running;
-- small hybrids: short chunks beside a dozen decodes, as an SLO-following budget makes them.
+- mixed contexts: decodes of prompts of many lengths side by side (a ladder's rows all share
+  one context, so it cannot tell attention over each context from attention padded to the
+  longest);
+- small hybrids: short chunks beside a dozen decodes, as an SLO-following budget makes them, in
+  steps of up to 88 tokens (the fused path runs to 95, and speculation's drafts land there).
 
 Each step is recorded as the engine ran it: the batch's shape (`BatchShape.of`) and its measured
 time (`IterationStats.duration`), which is all the per-step work the engine does, down the same
@@ -33,6 +37,8 @@ LADDER_REQUESTS = 32
 LADDER_ALONE = 24  # steps the longest request of a ladder decodes alone
 PREFILL_LENGTHS = (16, 48, 96, 200, 400, 700, 1000, 1500, 2000)
 PREFILL_SCHEDULERS = (("vllm", 2048), ("sarathi", 512), ("sarathi", 128))
+MIXED_REQUESTS, MIXED_LONGEST = 24, 3072  # prompts 32 .. 3,072 tokens, spaced geometrically
+SMALL_HYBRID_BUDGETS = (16, 24, 48, 88)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,11 @@ def profile_phases(max_model_len: int, vocab: int, seed: int = 0) -> list[Phase]
         budget = min(budget, max_model_len)
         phases.append(Phase(f"prefill sizes, {scheduler}:{budget}", scheduler, budget,
                             tuple(ids(n) for n in lengths), (16,) * len(lengths)))
-    for budget in (16, 24):  # fused-path hybrids: a dozen decodes and a chunk in under 32 tokens
+    longest = min(MIXED_LONGEST, max_model_len - 128)
+    mixed = [round(32 * (longest / 32) ** (i / (MIXED_REQUESTS - 1))) for i in range(MIXED_REQUESTS)]
+    phases.append(Phase("mixed contexts", "sarathi", 512, tuple(ids(n) for n in mixed),
+                        tuple(8 + 3 * i for i in range(MIXED_REQUESTS))))
+    for budget in SMALL_HYBRID_BUDGETS:  # fused-path hybrids: a dozen decodes and a chunk
         phases.append(Phase(f"small hybrids, sarathi:{budget}", "sarathi", budget,
                             tuple(ids(min(160, max_model_len - 64)) for _ in range(12)), (40,) * 12))
     return phases

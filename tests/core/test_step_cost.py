@@ -157,13 +157,35 @@ def test_the_margin_comes_from_long_steps_when_there_are_enough():
             shape = BatchShape(((rng.randint(300, 500), 0),), (300,) * 4, 4)  # ~0.1-0.15 s
             seconds = true_time(shape) * rng.uniform(0.99, 1.01)
         else:
-            shape = BatchShape(decode_contexts=(rng.randint(16, 64),), num_sampled=1)  # ~8 ms
+            shape = BatchShape(((rng.randint(1, 8), 0),), (rng.randint(16, 64),), 1)  # ~8 ms
             seconds = true_time(shape) * rng.uniform(1.0, 1.8)  # a few ms of wake-up latency
         model.observe(shape, seconds)
-    assert model.margin < 1.05
+    planned = BatchShape(((400, 0),), (300,) * 4, 4)
+    assert model.margin_for(planned) < 1.05
     model.margin_from = 0.0
     model.refit()
-    assert model.margin > 1.3
+    assert model.margin_for(planned) > 1.3
+
+
+def test_steps_with_and_without_a_chunk_get_their_own_margin():
+    """A few chunk steps among many decode steps hold under 1% of the token gaps, so a margin
+    over all steps leaves out their overruns, and those steps are the longest gaps of all: each
+    kind's plans get the margin of its own kind's steps."""
+    rng = random.Random(6)
+    model = StepCostModel()
+    for i in range(600):
+        if i % 30 == 0:  # chunk steps beside one decode, running up to 40% over
+            shape = BatchShape(((rng.randint(100, 400), 0),), (200,), 1)
+            seconds = true_time(shape) * rng.uniform(1.0, 1.4)
+        else:
+            shape = BatchShape(decode_contexts=(200,) * rng.randint(1, 16), num_sampled=1)
+            seconds = true_time(shape) * rng.uniform(0.99, 1.01)
+        model.observe(shape, seconds)
+    with_chunk = BatchShape(((300, 0),), (200,), 1)
+    decodes = BatchShape(decode_contexts=(200,) * 8, num_sampled=8)
+    assert model.margin_for(decodes) < 1.05
+    assert model.margin_for(with_chunk) > 1.1
+    assert model.margin == model.margin_for(with_chunk)
 
 
 def test_the_margin_counts_a_step_once_per_stream_it_delays():
