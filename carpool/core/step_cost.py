@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
     from carpool.core.scheduler import ScheduledBatch
@@ -74,6 +75,7 @@ HINGES = (64, 256, 1024)
 # may not import the model's, so test_fused_layers pins this to model.paths.FUSED_MAX_TOKENS + 1.
 SMALL_STEP_TOKENS = 96
 MIN_KIND_STEPS = 8  # steps of a kind (with or without a prefill chunk) that give it its own margin
+SPEED_STEPS = 16  # the last this many steps of a kind (half as many chunk steps) give its speed
 SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # A draft token costs a token (`tokens`) plus what its own feature learns (its row of attention,
 # of the LM head, its verification). A fit that has seen no drafts prices that part at 0, so the
@@ -157,9 +159,16 @@ class StepCostModel:
     refit_every: observations between solves (a solve and its margin, numpy over the window, are
         well under a ms of Python).
 
+    Predictions follow the host's speed: the weights remember ~500 steps, but a shared host's
+    speed drifts by 10% within minutes, so each kind's prediction is scaled by its recent steps'
+    median ratio to the weights (`speed`). Replayed over a served code-completion workload
+    (`carpool fidelity`'s steps.jsonl, Intel Xeon with AMX), that took the median one-step-ahead
+    error from 5.3-7.0% to 4.0-4.3%, and P90 from 15-17% to 11.5-13%.
+
     Steps that carry a prefill chunk and steps that do not each get a margin from their own kind
     once `MIN_KIND_STEPS` of it are in the window (its long steps if that many, else all of it),
-    and from all steps (the long ones if 16) before that. The fit learns mostly from the many
+    and from all steps (the long ones if 16) before that, each step's ratio taken over its
+    kind's speed just before it. The fit learns mostly from the many
     decode steps and can be off on the few chunk steps in its own direction: in a 16-request
     burst with speculation (Intel Xeon with AMX) the first burst's chunk steps ran 1.07x their
     plan (up to 1.32x) while its decode steps ran 0.67x, and one margin over both left the chunk
@@ -187,11 +196,17 @@ class StepCostModel:
         self._recent_chunks = np.zeros(self.window, dtype=bool)  # the step carried a prefill chunk
         self._num_recent = 0
         self._margins = {False: 1.0, True: 1.0}  # by whether a step carries a prefill chunk
+        self._speeds = {False: 1.0, True: 1.0}  # likewise
         self._pending = 0
 
     # ------------------------------------------------------------ predictions
     def predict(self, shape: BatchShape) -> float:
-        return sum(w * x for w, x in zip(self.weights, features(shape)))
+        return self._speeds[bool(shape.prefills)] * sum(w * x for w, x in zip(self.weights, features(shape)))
+
+    def speed(self, chunks: bool = False) -> float:
+        """Recent steps of one kind (with a prefill chunk or without) over what the weights
+        predict for them: the median of the last SPEED_STEPS (chunk steps: half as many)."""
+        return self._speeds[chunks]
 
     @property
     def margin(self) -> float:
@@ -274,17 +289,30 @@ class StepCostModel:
         ridge = self.ridge * (np.diag(self._ata) + 1e-6 * trace / len(FEATURES))
         self.weights = nonnegative_least_squares(self._ata, self._atb, ridge, free)
         n = min(self._num_recent, self.window)
-        if self.ready and n >= 16:
-            predicted = self._recent_x[:n] @ np.asarray(self.weights)
-            usable = predicted > 0
-            long = usable & (predicted >= self.margin_from)
-            pooled = long if long.sum() >= 16 else usable
-            for chunks in (False, True):
-                kind = self._recent_chunks[:n] == chunks
-                chosen = next((c for c in (long & kind, usable & kind) if c.sum() >= MIN_KIND_STEPS), pooled)
-                if chosen.any():
-                    self._margins[chunks] = self._quantile_ratio(self._recent_y[:n][chosen] / predicted[chosen],
-                                                                 self._recent_rows[:n][chosen])
+        if not (self.ready and n >= 16):
+            return
+        order = np.arange(self._num_recent - n, self._num_recent) % self.window  # oldest first
+        predicted = self._recent_x[order] @ np.asarray(self.weights)
+        measured, rows, chunks = self._recent_y[order], self._recent_rows[order], self._recent_chunks[order]
+        usable = predicted > 0
+        # Each step's ratio over its kind's speed just before it: what is left once the host's
+        # drift is followed, and what the margin has to cover.
+        adjusted = np.full(n, np.nan)
+        for kind in (False, True):
+            steps = np.flatnonzero(usable & (chunks == kind))
+            ratios = measured[steps] / predicted[steps]
+            last = SPEED_STEPS // 2 if kind else SPEED_STEPS
+            self._speeds[kind] = float(np.median(ratios[-last:])) if len(ratios) >= 4 else 1.0
+            if len(ratios) > last:
+                adjusted[steps[last:]] = ratios[last:] / np.median(sliding_window_view(ratios[:-1], last), axis=1)
+        seen = ~np.isnan(adjusted)
+        long = seen & (predicted >= self.margin_from)
+        pooled = long if long.sum() >= 16 else seen
+        for kind in (False, True):
+            of_kind = chunks == kind
+            chosen = next((c for c in (long & of_kind, seen & of_kind) if c.sum() >= MIN_KIND_STEPS), pooled)
+            if chosen.any():
+                self._margins[kind] = self._quantile_ratio(adjusted[chosen], rows[chosen])
 
     def _quantile_ratio(self, ratios: np.ndarray, rows: np.ndarray) -> float:
         """The `quantile` of the ratios, each counted once per decode row (at least once), in [1, 2]."""
