@@ -77,14 +77,16 @@ class Profile:
 @dataclass
 class FittedCostModel:
     """A `StepCostModel` frozen as a cost model: fitted to a profile's steps (`load`), or taken
-    as it stood after a real run (`carpool fidelity`). Layers split evenly over pipeline stages."""
+    as it stood after a real run (`carpool fidelity`). It predicts by the weights alone, not at
+    the speed of the host's last few steps, which a simulated run has no reason to keep. Layers
+    split evenly over pipeline stages."""
 
     fit: StepCostModel
     num_stages: int = 1
     source: str = ""
 
     def stage_time(self, shape: BatchShape, stage: int) -> float:
-        return max(self.fit.predict(shape), 0.0) / self.num_stages
+        return max(self.fit.predict_by_weights(shape), 0.0) / self.num_stages
 
     @classmethod
     def from_profile(cls, profile: Profile, num_stages: int = 1, source: str = "") -> FittedCostModel:

@@ -201,7 +201,11 @@ class StepCostModel:
 
     # ------------------------------------------------------------ predictions
     def predict(self, shape: BatchShape) -> float:
-        return self._speeds[bool(shape.prefills)] * sum(w * x for w, x in zip(self.weights, features(shape)))
+        return self._speeds[bool(shape.prefills)] * self.predict_by_weights(shape)
+
+    def predict_by_weights(self, shape: BatchShape) -> float:
+        """The weights' prediction alone: the machine's speed over the steps they remember."""
+        return sum(w * x for w, x in zip(self.weights, features(shape)))
 
     def speed(self, chunks: bool = False) -> float:
         """Recent steps of one kind (with a prefill chunk or without) over what the weights

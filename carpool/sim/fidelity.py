@@ -13,7 +13,8 @@ SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. Th
 iteration error is one step ahead (each step predicted before it is observed); its simulation
 uses the fit as it stood at the end of the real run: it follows the host's speed as it drifts,
 which a profile taken minutes earlier cannot. `steps.jsonl` lists every real step (its whole
-shape, the idle time before it, measured and predicted times), to see where errors sit. The
+shape, the idle time before it, measured and predicted times) and `requests.jsonl` every request
+(its queueing, TTFT and longest gap, real and simulated), to see where errors sit. The
 SLO-following sarathi runs at the engine's default target unless --target-tbt-ms is given.
 """
 
@@ -78,6 +79,22 @@ def step_record(shape: BatchShape, measured: float, idle_before: float, profile:
             "measured_s": measured, "profile_s": profile, "online_s": online}
 
 
+def request_records(real, simulated, fitted) -> list[dict]:
+    """Each request's waits, real and simulated (profile; online fit), in arrival order: to see
+    which requests a latency percentile's error comes from."""
+    def waits(t) -> dict:
+        ttft = t.token_times[0] - t.arrival_time if t.token_times else None
+        gaps = np.diff(t.token_times) if len(t.token_times) > 1 else np.zeros(1)
+        scheduled = None if t.first_scheduled_time is None else t.first_scheduled_time - t.arrival_time
+        return {"queued_s": scheduled, "ttft_s": ttft, "tbt_max_s": float(gaps.max())}
+
+    order = lambda ts: sorted(ts, key=lambda t: t.arrival_time)  # noqa: E731
+    origin = min((t.arrival_time for t in real), default=0.0)
+    return [{"arrival_s": r.arrival_time - origin, "prompt_tokens": r.num_prompt_tokens,
+             "output_tokens": len(r.token_times), "real": waits(r), "profile": waits(s), "online": waits(f)}
+            for r, s, f in zip(order(real), order(simulated), order(fitted))]
+
+
 def latency_errors(real_summary, sim_summary) -> dict:
     latency = {}
     for metric in ("ttft", "tbt"):
@@ -130,6 +147,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     return {
         "scheduler": spec.label,
         "steps": [step_record(*record) for record in zip(shapes, measured, idle_before(steps), predicted, online)],
+        "requests": request_records(run.timelines, timelines(sim), timelines(fitted_sim)),
         "iterations": len(steps),
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
@@ -150,10 +168,11 @@ def run_fidelity(config, args) -> dict:
     results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "steps.jsonl").open("w") as f:  # every step, to see where the errors sit
-        for r in results:
-            for step in r.pop("steps"):
-                f.write(json.dumps({"scheduler": r["scheduler"], **step}) + "\n")
+    for name in ("steps", "requests"):  # every step and request, to see where the errors sit
+        with (out / f"{name}.jsonl").open("w") as f:
+            for r in results:
+                for record in r.pop(name):
+                    f.write(json.dumps({"scheduler": r["scheduler"], **record}) + "\n")
     (out / "fidelity.json").write_text(json.dumps({"profile": args.profile, "results": results}, indent=2))
     lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | "
              "TTFT P50 real / sim (err) | "

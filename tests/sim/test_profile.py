@@ -164,4 +164,9 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
             decodes = [e for e, s in zip(signed, mine) if not s["prefills"]]
             if decodes:
                 assert column["decode_iteration_bias"] == pytest.approx(statistics.median(decodes))
+        requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        mine = [q for q in requests if q["scheduler"] == r["scheduler"]]
+        assert len(mine) == 8 and all(q[k]["ttft_s"] > 0 for q in mine for k in ("real", "profile", "online"))
+        # the P99 of eight TTFTs is nearly the largest: the percentile comes from these records
+        assert r["latency"]["ttft_p99"]["real"] <= max(q["real"]["ttft_s"] for q in mine) + 1e-9
     assert "| sarathi, profile |" in (out / "fidelity.md").read_text()
