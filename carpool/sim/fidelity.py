@@ -140,7 +140,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
                         max_num_seqs=args.max_num_seqs, block_size=engine.block_manager.block_size,
                         num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
                         enable_prefix_caching=engine.block_manager.enable_prefix_caching,
-                        target_tbt=target, seed_fit=True)
+                        target_tbt=target, seed_fit=True, step_jitter=cost.residuals)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
     fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run

@@ -134,7 +134,8 @@ def run_simulate(args) -> dict:
                             block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                             enable_prefix_caching=args.enable_prefix_caching, target_tbt=target_tbt,
                             snap_chunks=args.snap_chunks, num_speculative_tokens=args.spec_tokens,
-                            spec_acceptance=args.spec_acceptance, spec_seed=args.seed)
+                            spec_acceptance=args.spec_acceptance, spec_seed=args.seed,
+                            step_jitter=getattr(cost, "residuals", ()))
         result = simulate(specs, cfg, cost, num_replicas=args.replicas)
         return result, timelines(result), iterations(result)
 

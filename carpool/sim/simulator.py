@@ -65,6 +65,10 @@ class ReplicaConfig:
     num_speculative_tokens: int = 0
     spec_acceptance: float = 0.0
     spec_seed: int = 0
+    # each step's time is the cost model's times one of these ratios, drawn (seeded by spec_seed):
+    # a profile's measured / fitted ratios (FittedCostModel.residuals), so the step-time fit of
+    # an SLO-following replica meets the jitter the host shows it, and plans with its margin
+    step_jitter: tuple[float, ...] = ()
 
 
 @dataclass
@@ -127,6 +131,7 @@ class Replica:
         self.in_flight: list[MicroBatch] = []
         self.spec_stats = spec_stats if spec_stats is not None else SpecDecodeStats()
         self.rng = random.Random(f"{config.spec_seed}:{index}")  # verification draws
+        self.jitter_rng = random.Random(f"jitter:{config.spec_seed}:{index}")
 
     @property
     def outstanding(self) -> int:
@@ -142,11 +147,12 @@ class Replica:
             return None
         self.scheduler.mark_in_flight(batch)  # not scheduled again until its micro-batch returns
         shape = BatchShape.of(batch)
+        jitter = self.jitter_rng.choice(self.config.step_jitter) if self.config.step_jitter else 1.0
         starts, ends, waited, ready = [], [], 0.0, now
         for s in range(self.num_stages):
             start = max(ready, self.stage_free[s])
             waited += start - ready
-            duration = self.cost.stage_time(shape, s)
+            duration = self.cost.stage_time(shape, s) * jitter
             starts.append(start)
             ends.append(start + duration)
             self.stage_free[s] = start + duration

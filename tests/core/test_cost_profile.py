@@ -89,3 +89,23 @@ def test_the_engine_seeds_its_step_time_fit_from_a_profile(tmp_path):
     assert fit.predict(probe) == pytest.approx(step_time(FittedCostModel.load(path), probe), rel=0.05)
     unseeded = LLMEngine._step_cost_args(engine, SimpleNamespace(**{**vars(config), "cost_profile": None}))
     assert unseeded["cost"].num_observations == 0 and unseeded["chunk_sizes"] is None
+
+
+def test_a_noisy_profile_is_scaled_to_its_median_step():
+    """Relative least squares on noisy steps comes out low; the model is scaled so the median
+    profiled step runs at its prediction, and keeps the ratios (median 1) for simulated jitter."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    cost = linear_cost(WEIGHTS)
+    profile = Profile()
+    for _ in range(40):
+        for shape in SHAPES:
+            profile.add(shape, cost(shape) * rng.lognormvariate(0.0, 0.2))  # median ratio 1
+    model = FittedCostModel.from_profile(profile)
+    # for this noise the relative fit's optimum is exp(-1.5 * 0.2^2) = 0.94x the median step
+    assert statistics.median(model.fit.predict_by_weights(s) / cost(s) for s in SHAPES) < 0.97
+    assert statistics.median(model.stage_time(s, 0) / cost(s) for s in SHAPES) == pytest.approx(1.0, abs=0.02)
+    assert len(model.residuals) == len(profile.steps)
+    assert statistics.median(model.residuals) == pytest.approx(1.0)

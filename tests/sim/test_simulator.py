@@ -188,3 +188,15 @@ def test_conversations_follow_their_previous_turn_and_hit_it():
         assert r.token_ids[:prev.num_tokens] == prev.token_ids  # previous prompt and answer first
         # All of the previous turn that was computed (all but its last token) comes from the cache.
         assert r.num_cached_tokens == (prev.num_tokens - 1) // 16 * 16
+
+
+def test_step_jitter_draws_each_step_time_from_the_given_ratios():
+    """A profile's measured / fitted ratios scale each simulated step, seeded: all 2.0 doubles
+    every step; mixed ratios give the same timeline twice and only times the formula allows."""
+    one = simulate([SimRequest(0.0, 10, 3)], ReplicaConfig(max_num_batched_tokens=512, step_jitter=(2.0,)), COST)
+    assert times(one) == {"sim-0": [0.04, 0.062, 0.084]}
+    config = ReplicaConfig(max_num_batched_tokens=512, step_jitter=(0.5, 1.5), spec_seed=3)
+    a, b = (simulate([SimRequest(0.0, 10, 40)], config, COST) for _ in range(2))
+    assert times(a) == times(b)
+    gaps = {round(t1 - t0, 6) for t0, t1 in zip(a.requests[0].token_times, a.requests[0].token_times[1:])}
+    assert gaps == {0.0055, 0.0165}  # a decode step of 0.011 s, times 0.5 or 1.5
