@@ -168,11 +168,11 @@ class StepCostModel:
     Steps that carry a prefill chunk and steps that do not each get a margin from their own kind
     once `MIN_KIND_STEPS` of it are in the window (its long steps if that many, else all of it),
     and from all steps (the long ones if 16) before that, each step's ratio taken over its
-    kind's speed just before it. The fit learns mostly from the many
-    decode steps and can be off on the few chunk steps in its own direction: in a 16-request
-    burst with speculation (Intel Xeon with AMX) the first burst's chunk steps ran 1.07x their
-    plan (up to 1.32x) while its decode steps ran 0.67x, and one margin over both left the chunk
-    steps, which set the largest token gap, unguarded.
+    kind's speed just before it. The fit learns mostly from the many decode steps and can be off
+    on the few chunk steps in its own direction: in a 16-request burst with speculation (Intel
+    Xeon with AMX) the first burst's chunk steps ran 1.07x their plan (up to 1.32x) while its
+    decode steps ran 0.67x, and one margin over both left the chunk steps, which set the largest
+    token gap, unguarded.
     """
 
     decay: float = 0.998
