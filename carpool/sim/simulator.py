@@ -225,6 +225,8 @@ def simulate(workload: list, config: ReplicaConfig, cost_model: CostModel,
     if not 0 <= config.num_speculative_tokens <= 32 or not 0.0 <= config.spec_acceptance <= 1.0:
         raise ValueError(f"speculation needs 0 <= num_speculative_tokens <= 32 and an acceptance in [0, 1], got "
                          f"{config.num_speculative_tokens} and {config.spec_acceptance}")
+    if not all(r > 0 for r in config.step_jitter):
+        raise ValueError("step_jitter: every ratio must be a positive number of times the predicted step")
     for i, w in enumerate(workload):
         if w.prompt_len < 1 or w.output_len < 1:
             raise ValueError(f"request {i}: prompt and output lengths must be >= 1, got {w}")

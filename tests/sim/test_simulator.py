@@ -200,3 +200,8 @@ def test_step_jitter_draws_each_step_time_from_the_given_ratios():
     assert times(a) == times(b)
     gaps = {round(t1 - t0, 6) for t0, t1 in zip(a.requests[0].token_times, a.requests[0].token_times[1:])}
     assert gaps == {0.0055, 0.0165}  # a decode step of 0.011 s, times 0.5 or 1.5
+
+
+def test_step_jitter_must_be_positive():
+    with pytest.raises(ValueError, match="step_jitter"):
+        simulate([SimRequest(0.0, 10, 3)], ReplicaConfig(step_jitter=(1.0, 0.0)), COST)
