@@ -20,11 +20,14 @@ import torch
 
 from carpool.config import (EngineConfig, default_kv_cache_memory, keep_freed_memory_in_process,
                             resolve_device, resolve_dtype)
+from carpool.core import step_cache
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch, make_scheduler
+from carpool.core.step_cost import BatchShape
 from carpool.executor import Executor, ExecutorError, make_executor
 from carpool.inputs import PromptType, parse_prompt
-from carpool.model.loader import hf_generation_config
+from carpool.model import cpu_kernels
+from carpool.model.loader import hf_generation_config, resolve_model_path
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import BAD_LOGITS, Sampler, score_prompt
@@ -343,23 +346,55 @@ class LLMEngine:
     def _calibrate_step_cost(self) -> None:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
         ready: an empty fit predicts nothing, and the first users' steps would be sized by its
-        trust region alone (64, 128, 256 tokens, ...), whatever they cost."""
+        trust region alone (64, 128, 256 tokens, ...), whatever they cost. The steps are kept on
+        disk (core/step_cache.py); a later start with the same model, settings and machine
+        replays them instead."""
         start = time.perf_counter()
+        cost = self.scheduler.cost
+        identity = self._calibration_identity()
+        path = step_cache.cache_path(identity)
+        cached = step_cache.load_steps(path)
+        if cached is not None:
+            for shape, seconds in cached:
+                cost.observe(shape, seconds)
+            log.info("fitted the step-time model on %d cached steps (%s)", cost.num_observations, path)
+            return
+        shapes: list[BatchShape] = []
+        stop_observing = self.add_batch_observer(lambda batch: shapes.append(batch.shape or BatchShape.of(batch)))
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=self.CALIBRATION_DECODES, ignore_eos=True, temperature=0)
-        for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
-            if n < self.max_model_len - params.max_tokens:
-                self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,
-                                 request_id=f"calibration-{k}")
-                for _ in range(2):  # its prefill beside the earlier ones' decodes, then a decode
-                    self.step()
-        while self.has_unfinished_requests():
-            self.step()
+        try:
+            for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
+                if n < self.max_model_len - params.max_tokens:
+                    self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,
+                                     request_id=f"calibration-{k}")
+                    for _ in range(2):  # its prefill beside the earlier ones' decodes, then a decode
+                        self.step()
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            stop_observing()
+        durations = [s.duration for s in list(self.iteration_stats)[len(self.iteration_stats) - len(shapes):]]
+        step_cache.save_steps(path, identity, list(zip(shapes, durations)))  # each batch made one entry
         self.reset_prefix_cache()
         self.iteration_stats.clear()
         self.scheduler.num_slo_unreachable = 0
-        log.info("fitted the step-time model on %d steps in %.1f s", self.scheduler.cost.num_observations,
+        log.info("fitted the step-time model on %d steps in %.1f s", cost.num_observations,
                  time.perf_counter() - start)
+
+    def _calibration_identity(self) -> dict:
+        """What a calibration step's cost depends on (its cache key)."""
+        config = self.config
+        lib = cpu_kernels.library() if self.device.type == "cpu" else None
+        return {"model": step_cache.file_identity(resolve_model_path(config.model)),
+                "quantization": config.quantization, "dtype": str(self.dtype), "device": str(self.device),
+                "accelerator": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+                "cpu": cpu_kernels.cpu_model(), "kernels": getattr(lib, "_name", None),
+                "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "eager": config.enforce_eager, "tp": config.tensor_parallel_size,
+                "pp": config.pipeline_parallel_size, "block_size": config.block_size,
+                "speculative": repr(config.speculative_config),
+                "prompts": self.CALIBRATION_PROMPTS, "decodes": self.CALIBRATION_DECODES}
 
     def _step_cost_args(self, config: EngineConfig) -> dict:
         """A target TBT for sarathi, with the step-time fit seeded from a profile if one is given;

@@ -16,6 +16,9 @@ os.environ.setdefault("CARPOOL_ENFORCE_EAGER", "1")
 # follow measured step times, and each engine would time throwaway requests at start-up
 # (tests/core/test_default_target.py covers the default).
 os.environ.setdefault("CARPOOL_TARGET_TBT_MS", "0")
+# No step-time calibration cached across tests: each engine that calibrates times its own steps
+# (tests/core/test_step_cache.py covers the cache).
+os.environ.setdefault("CARPOOL_STEP_CACHE", "off")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Hypothesis profiles: `dev` (make test) runs a quarter of each property test's examples, `ci`

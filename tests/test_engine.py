@@ -341,3 +341,24 @@ def test_a_latency_target_starts_with_a_fitted_step_cost(engine_fp32, monkeypatc
         assert engine.scheduler.num_slo_unreachable == 0
         (out,) = run_greedy(engine, [[1, 2, 3, 4]], 4)
         assert len(out) == 4
+
+
+def test_a_restart_replays_the_cached_calibration(engine_fp32, monkeypatch, tmp_path):
+    """The calibration's steps are kept on disk (core/step_cache.py): a second start with the same
+    model and settings runs no request and comes to the very same fit."""
+    monkeypatch.setattr(engine_fp32, "CALIBRATION_PROMPTS", (16, 48))
+    monkeypatch.setenv("CARPOOL_STEP_CACHE", str(tmp_path))
+    batches = []
+    stop = engine_fp32.add_batch_observer(batches.append)
+    try:
+        fits, ran = [], []
+        for _ in range(2):
+            with scheduler_config(engine_fp32, budget=512, target_tbt=5.0) as engine:
+                engine._calibrate_step_cost()
+                fits.append((list(engine.scheduler.cost.weights), engine.scheduler.cost.num_observations))
+                ran.append(len(batches))
+    finally:
+        stop()
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert ran[0] == ran[1] > 0  # the second start ran nothing
+    assert fits[0] == fits[1] and fits[0][1] == ran[0]

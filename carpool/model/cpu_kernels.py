@@ -172,7 +172,7 @@ def check_signatures(kernels: dict[str, tuple[str, str]], header: str) -> dict[s
 
 # ---------------------------------------------------------------- building and loading
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's name and instruction-set flags (names alone can be generic: "Intel(R) Xeon(R)
     Processor" covers generations with and without AVX-512 FP16 or AMX)."""
     try:
@@ -197,7 +197,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), cc, *COMPILE_FLAGS, *LINK_FLAGS,
-                                     _cpu_model()]).encode()).hexdigest()[:16]
+                                     cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target

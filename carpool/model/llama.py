@@ -116,7 +116,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.attention_scaling = rope_parameters(config)[1]
+        with torch.device("cpu"):  # the model is built on meta, where torch's reference ops would
+            self.attention_scaling = rope_parameters(config)[1]  # import torch._dynamo: 1.5 s of start-up
         self.max_positions = config.max_position_embeddings
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [2 (cos, sin), positions, head_dim]
 
@@ -369,7 +370,10 @@ class LlamaModel(nn.Module):
         self.local_rotary = None if config.rope_local_theta is None else RotaryEmbedding(
             dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
         if self.is_first:
-            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if self.tp.size == 1
+            # `_weight`: no random init, which on the meta device would import torch._dynamo (1.8 s)
+            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size,
+                                              _weight=torch.empty(config.vocab_size, config.hidden_size))
+                                 if self.tp.size == 1
                                  else VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp))
         layer_class = GemmaDecoderLayer if config.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, self.tp, i) for i in range(self.first_layer, self.last_layer))

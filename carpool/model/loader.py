@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from carpool.config import ModelConfig
 from carpool.model import cpu_kernels, gguf_codes
@@ -544,7 +545,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     sink = CodesAssembly(model, dtype, *_quantized_tables(reader, model)) if keep_codes else None
     if quantization in ("none", "gguf"):  # loaded straight into the dtype it runs in: no float copy
         model.to(dtype=dtype)  # (int4 / int8 quantize from the float weights, so they load in fp32)
-    model.to_empty(device="cpu")  # the linears that keep codes have no weight to allocate
+    allocate_on_cpu(model)  # the linears that keep codes have no weight to allocate
     load_weights(model, weights, sink)
     if sink is not None:
         sink.check_complete()
@@ -559,6 +560,19 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, first_layer:
     log.info("loaded %s in %.1f s (quantization %s): weights %.0f MiB as held; process RSS %.0f MiB",
              Path(path).name, time.perf_counter() - start, quantization, stored / 2**20, resident_bytes() / 2**20)
     return model
+
+
+def allocate_on_cpu(model: nn.Module) -> None:
+    """Give each parameter and buffer built on the meta device uninitialised CPU memory, as
+    `to_empty` does; `to_empty` takes the meta tensors through torch's Python reference ops,
+    whose first call imports sympy (0.5 s of start-up)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
 
 
 def resident_bytes() -> int:

@@ -229,6 +229,9 @@ class EngineProcess:
         child.close()
         if frontend_cpus is not None:
             os.sched_setaffinity(0, frontend_cpus)  # this thread, and the threads it starts from now on
+        # "ready" brings the engine's tokenizer, pickled: import its classes (transformers, ~1 s)
+        # while the engine loads, not after.
+        import transformers.tokenization_utils_fast  # noqa: F401
         if not self._conn.poll(READY_TIMEOUT):
             self.process.kill()
             raise RuntimeError("the engine process did not start in time")
