@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # carpool against llama.cpp and vLLM-CPU (../shared/peers kits), one server at a time on a quiet machine.
 # Usage: PEERS_OUT=DIR benchmarks/peers.sh OUT, DIR holding llama1b/ (random_llama.py), llama1b-bf16.gguf,
-# llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps.
+# llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps;
+# LLAMA_EXTRA adds llama-server flags (--no-repack where its AMX repacking crashes on Q4_1).
 set -uo pipefail
 OUT="$1"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -11,7 +12,8 @@ LLAMA=$HOME/.cache/carpool-peers/llamacpp/build/bin/llama-server
 Q4KM=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-q4_k_m.gguf
 BF16=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-bf16.gguf
 NP=16
-wait_up() { for i in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+wait_up() { # URL PID: until the server answers, or its process has died
+  for i in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }
 single() { # URL NAME MODEL
   $CARPOOL bench serving --arrivals burst --num-requests 1 --lengths fixed --prompt-len 256 --output-len 128 --qps 1 \
     --no-plots --no-logprobs --seed 1 --base-url "$1/v1" --served-model "$3" --output "$OUT/$2-single" > "$OUT/$2-single.log" 2>&1
@@ -23,7 +25,7 @@ burst() { # URL NAME MODEL
 carpool_run() { # NAME MODEL KIND(single|both) [serve flags]
   local name=$1 model=$2 kind=$3; shift 3
   $CARPOOL serve --model "$model" --port 8011 "$@" > "$OUT/$name-server.log" 2>&1 & local pid=$!
-  wait_up http://127.0.0.1:8011 || { echo "$name did not start"; kill $pid; return; }
+  wait_up http://127.0.0.1:8011 $pid || { echo "$name did not start"; kill $pid; return; }
   local served=$(curl -s http://127.0.0.1:8011/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
   single http://127.0.0.1:8011 "$name" "$served"
   [ "$kind" = both ] && burst http://127.0.0.1:8011 "$name" "$served"
@@ -32,8 +34,8 @@ carpool_run() { # NAME MODEL KIND(single|both) [serve flags]
 llama_run() { # NAME GGUF KIND
   local name=$1 model=$2 kind=$3
   "$LLAMA" -m "$model" --host 127.0.0.1 --port 8080 --alias peer -t "$(nproc)" -tb "$(nproc)" -np $NP -cb \
-    -c $((NP * 1280)) --cache-ram 0 -fa off --metrics > "$OUT/$name-server.log" 2>&1 & local pid=$!
-  wait_up http://127.0.0.1:8080 || { echo "$name did not start"; kill $pid; return; }
+    -c $((NP * 1280)) --cache-ram 0 -fa off --metrics ${LLAMA_EXTRA:-} > "$OUT/$name-server.log" 2>&1 & local pid=$!
+  wait_up http://127.0.0.1:8080 $pid || { echo "$name did not start"; kill $pid; return; }
   single http://127.0.0.1:8080 "$name" peer
   [ "$kind" = both ] && burst http://127.0.0.1:8080 "$name" peer
   kill $pid; wait $pid 2>/dev/null
@@ -41,7 +43,7 @@ llama_run() { # NAME GGUF KIND
 vllm_run() { # NAME HF_FOLDER KIND
   local name=$1 model=$2 kind=$3
   bash ../shared/peers/vllm-cpu/serve.sh "$model" 8000 > "$OUT/$name-server.log" 2>&1 & local pid=$!
-  wait_up http://127.0.0.1:8000 || { echo "$name did not start"; kill $pid; return; }
+  wait_up http://127.0.0.1:8000 $pid || { echo "$name did not start"; kill $pid; return; }
   single http://127.0.0.1:8000 "$name" "$model"
   [ "$kind" = both ] && burst http://127.0.0.1:8000 "$name" "$model"
   kill $pid; wait $pid 2>/dev/null; pkill -f vllm.entrypoints || true

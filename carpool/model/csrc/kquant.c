@@ -164,33 +164,40 @@ typedef struct {
     int8_t *q;       /* [tokens, k] */
     float *scale;    /* [tokens, groups] */
     float *sum;      /* [tokens, groups, 2]: the sum of x over each half (the min term) */
-    int32_t *qsum;   /* [tokens, groups, 2]: the sum of q over each half (the offset) */
+    int32_t *start;  /* [tokens, groups, 2]: -offset x the sum of q over each half, where each half's
+                        integer sum starts, which takes the codes' offset back out */
     int64_t groups;
 } HalfActivations;
 
-static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, HalfActivations *a) {
+static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, int32_t offset,
+                           HalfActivations *a) {
     a->groups = k / KQ_GROUP;
     const int64_t values = tokens * a->groups;
     char *mem = malloc((sizeof(float) * 3 + sizeof(int32_t) * 2) * (size_t)values + (size_t)(tokens * k));
     if (!mem) return 0;
     a->scale = (float *)mem;
     a->sum = a->scale + values;
-    a->qsum = (int32_t *)(a->sum + 2 * values);
-    a->q = (int8_t *)(a->qsum + 2 * values);
+    a->start = (int32_t *)(a->sum + 2 * values);
+    a->q = (int8_t *)(a->start + 2 * values);
     for (int64_t v = 0; v < values; v++) {
         const int64_t i = v * KQ_GROUP;
         __m512 lo, hi;
         __m512i qlo, qhi;
         a->scale[v] = quantize_group32(x, i, is_bf16, a->q + i, &lo, &hi, &qlo, &qhi);
         a->sum[2 * v] = _mm512_reduce_add_ps(lo), a->sum[2 * v + 1] = _mm512_reduce_add_ps(hi);
-        a->qsum[2 * v] = _mm512_reduce_add_epi32(qlo), a->qsum[2 * v + 1] = _mm512_reduce_add_epi32(qhi);
+        a->start[2 * v] = -offset * _mm512_reduce_add_epi32(qlo);
+        a->start[2 * v + 1] = -offset * _mm512_reduce_add_epi32(qhi);
     }
     return 1;
 }
 
-/* Block b of the weight against `tn` tokens from t0 (tn constant where inlined). */
+/* Block b of the weight against `tn` tokens from t0. tn, and whether the form has an offset and a
+   min term, are constants where inlined, so each form does only its own work: per group and
+   token, 8 `vpdpbusd` and, for the two halves' sums, 2 conversions and 3 multiply-adds (the
+   weights' factors, then the token's scale), 2 more for a min term. */
 static inline __attribute__((always_inline)) void int_block(const KQuantWeight *w, const HalfActivations *a,
-                                                            int64_t b, int64_t t0, const int tn, __m512 acc[KQ_TILE]) {
+                                                            int64_t b, int64_t t0, const int tn, const int has_offset,
+                                                            const int has_min, __m512 acc[KQ_TILE]) {
     const int64_t groups = a->groups, k = w->k;
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -204,42 +211,49 @@ static inline __attribute__((always_inline)) void int_block(const KQuantWeight *
             const int64_t v = (t0 + t) * groups + g;
             int32_t quads[8];
             memcpy(quads, a->q + (t0 + t) * k + g * KQ_GROUP, sizeof quads);
-            __m512i h0 = _mm512_set1_epi32(-(int32_t)w->offset * a->qsum[2 * v]);
-            __m512i h1 = _mm512_set1_epi32(-(int32_t)w->offset * a->qsum[2 * v + 1]);
+            __m512i h0 = has_offset ? _mm512_set1_epi32(a->start[2 * v]) : _mm512_setzero_si512();
+            __m512i h1 = has_offset ? _mm512_set1_epi32(a->start[2 * v + 1]) : _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 h0 = _mm512_dpbusd_epi32(h0, q[j], _mm512_set1_epi32(quads[j]));
                 h1 = _mm512_dpbusd_epi32(h1, q[j + 4], _mm512_set1_epi32(quads[j + 4]));
             }
-            const __m512 xs = _mm512_set1_ps(a->scale[v]);
-            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(h0), _mm512_mul_ps(scale[0], xs));
-            y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), _mm512_mul_ps(scale[1], xs), y);
-            if (w->m) {
-                y = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v]), y);
-                y = _mm512_fmadd_ps(bias[1], _mm512_set1_ps(a->sum[2 * v + 1]), y);
+            const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), scale[1],
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(h0), scale[0]));
+            acc[t] = _mm512_fmadd_ps(y, _mm512_set1_ps(a->scale[v]), acc[t]);
+            if (has_min) {
+                acc[t] = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v]), acc[t]);
+                acc[t] = _mm512_fmadd_ps(bias[1], _mm512_set1_ps(a->sum[2 * v + 1]), acc[t]);
             }
-            acc[t] = _mm512_add_ps(acc[t], y);
         }
     }
 }
 
+#define INT_BLOCK_CASES(OFFSET, MIN)                                                   \
+    switch (tn) {                                                                      \
+        case 8: int_block(w, &a, b, t0, 8, OFFSET, MIN, acc); break;                    \
+        case 7: int_block(w, &a, b, t0, 7, OFFSET, MIN, acc); break;                    \
+        case 6: int_block(w, &a, b, t0, 6, OFFSET, MIN, acc); break;                    \
+        case 5: int_block(w, &a, b, t0, 5, OFFSET, MIN, acc); break;                    \
+        case 4: int_block(w, &a, b, t0, 4, OFFSET, MIN, acc); break;                    \
+        case 3: int_block(w, &a, b, t0, 3, OFFSET, MIN, acc); break;                    \
+        case 2: int_block(w, &a, b, t0, 2, OFFSET, MIN, acc); break;                    \
+        default: int_block(w, &a, b, t0, 1, OFFSET, MIN, acc); break;                   \
+    }
+
 static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
     HalfActivations a;
-    if (!quantize_halves(x, is_bf16, tokens, w->k, &a)) return 0;
+    if (!quantize_halves(x, is_bf16, tokens, w->k, (int32_t)w->offset, &a)) return 0;
     const int64_t n = w->n;
+    const int has_offset = w->offset != 0, has_min = w->m != NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
         for (int64_t t0 = 0; t0 < tokens; t0 += KQ_TILE) {
             __m512 acc[KQ_TILE];
             const int64_t tn = tokens - t0 < KQ_TILE ? tokens - t0 : KQ_TILE;
-            switch (tn) {
-                case 8: int_block(w, &a, b, t0, 8, acc); break;
-                case 7: int_block(w, &a, b, t0, 7, acc); break;
-                case 6: int_block(w, &a, b, t0, 6, acc); break;
-                case 5: int_block(w, &a, b, t0, 5, acc); break;
-                case 4: int_block(w, &a, b, t0, 4, acc); break;
-                case 3: int_block(w, &a, b, t0, 3, acc); break;
-                case 2: int_block(w, &a, b, t0, 2, acc); break;
-                default: int_block(w, &a, b, t0, 1, acc); break;
+            if (has_offset) {
+                if (has_min) { INT_BLOCK_CASES(1, 1) } else { INT_BLOCK_CASES(1, 0) }
+            } else {
+                if (has_min) { INT_BLOCK_CASES(0, 1) } else { INT_BLOCK_CASES(0, 0) }
             }
             for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * KQ_ROWS, acc[t], n - b * KQ_ROWS, is_bf16);
         }
