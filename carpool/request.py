@@ -11,11 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from carpool.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +72,8 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         if self.sampling_params.seed is not None:
+            import torch  # here: the scheduler and simulator need no torch (nor `carpool serve`'s parser)
+
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property

@@ -60,3 +60,22 @@ def test_export_tokenizer_writes_a_folder_transformers_loads(tmp_path):
     assert exported.apply_chat_template(chat, tokenize=False) == ours.apply_chat_template(chat, tokenize=False)
     assert exported.model_max_length == 8192  # the model's context
     assert main(["export-tokenizer", "a", "b", "c"]) == 2
+
+
+def test_serve_starts_its_engine_before_the_frontend_imports_torch():
+    """`carpool serve` parses its flags and builds its config without importing torch, so the
+    engine process starts loading while the frontend imports the server (server/launch.py)."""
+    code = ("import sys\n"
+            "from carpool.args import apply_vllm_engine_flags, engine_config_from_args\n"
+            "from carpool.cli import parse_args\n"
+            "from carpool.server.launch import plan_cpus\n"
+            "from carpool.server.options import ServerOptions\n"
+            "args = parse_args(['serve', '--model', 'm.gguf', '--max-num-seqs', '8'])\n"
+            "config = apply_vllm_engine_flags(args, engine_config_from_args(args))\n"
+            "ServerOptions.from_args(args)\n"
+            "plan_cpus(config)\n"
+            "assert config.max_num_seqs == 8\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -218,8 +218,8 @@ def _body(model) -> dict:
 
 def create_app(client: EngineClient, options: ServerOptions | None = None) -> FastAPI:
     """The ASGI app over `client`: `AsyncLLMEngine.for_server(engine, options)` for an engine
-    of this process (embedding, tests), `EngineProcess.for_server` for `carpool serve`. The
-    lifespan starts the client and, at its end, stops it and releases the engine."""
+    of this process (embedding, tests), `EngineProcess` for `carpool serve` (server/launch.py
+    starts it). The lifespan starts the client and, at its end, stops it and releases the engine."""
     options = options or ServerOptions()
     ctx = ServingContext(client, options)
 

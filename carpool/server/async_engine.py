@@ -258,7 +258,7 @@ class AsyncLLMEngine:
     @classmethod
     def for_server(cls, engine: LLMEngine, options: ServerOptions) -> AsyncLLMEngine:
         """The client `create_app` takes for an engine of this process: its waiting limit and
-        metrics as the server's options say (EngineProcess.for_server is the other kind)."""
+        metrics as the server's options say (EngineProcess, started by server/launch.py, is the other kind)."""
         metrics = ServerMetrics(options.model_names(engine.config.model)[0], engine.max_model_len,
                                 namespace=options.metrics_namespace,
                                 stats_log=None if options.disable_log_stats else StatsLog(),

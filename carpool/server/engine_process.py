@@ -23,6 +23,7 @@ close and stops the loop; the process exits.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import logging
 import multiprocessing
@@ -35,6 +36,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from carpool.config import EngineConfig
 from carpool.outputs import Logprob, RequestOutput
@@ -48,7 +50,6 @@ from carpool.server.engine_client import (
     EngineOverloadedError,
 )
 from carpool.server.metrics import ServerMetrics, StatsLog, num_speculative_tokens
-from carpool.server.options import ServerOptions
 from carpool.server.startup import freeze_startup_objects
 from carpool.structured import StructuredOutputs
 
@@ -170,34 +171,6 @@ def run_engine_process(config: EngineConfig, model_name: str, metrics_namespace:
         engine.shutdown()
 
 
-# ---------------------------------------------------------------- where each process runs
-
-SPIN_COUNT = "10000"  # spin across the short gaps inside a step, sleep through its Python
-
-
-def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str], set[int] | None]:
-    """Where the engine's OpenMP threads and the frontend run: (the engine process's extra
-    environment, the frontend's cores), or ({}, None) to leave both to the OS.
-
-    When the engine's threads take every core this process may use, the frontend has to share
-    one. Left to the OS it lands on the core of the step's main thread: a step's outputs, written
-    to the pipe, wake it there (a sync wake-up), and it preempts the main thread about once per
-    token, stalling both threads. So OpenMP thread i is bound to core i, the frontend to the last
-    core, and the threads there stop spinning soon after a parallel region (GOMP_SPINCOUNT), so
-    the frontend runs in the time the last thread sleeps through the step's Python
-    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, with TP/PP (more
-    than one process), or with placement already set in the environment, nothing is bound."""
-    cpus = sorted(os.sched_getaffinity(0))
-    threads = config.num_threads or len(cpus)
-    user_set = any(k in environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY"))
-    if config.world_size > 1 or len(cpus) < 2 or threads != len(cpus) or user_set:
-        return {}, None
-    env = {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
-    if "GOMP_SPINCOUNT" not in environ:
-        env["GOMP_SPINCOUNT"] = SPIN_COUNT
-    return env, {cpus[-1]}
-
-
 # ---------------------------------------------------------------- the frontend
 
 
@@ -206,32 +179,14 @@ class EngineProcess:
     pipe. The event loop reads the pipe itself (`start`), so a step's tokens reach their
     handlers with one wake-up."""
 
-    def __init__(self, config: EngineConfig, model_name: str, max_waiting_requests: int | None = None,
-                 metrics_namespace: str | None = None, log_stats: bool = False):
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError("max_waiting_requests must be >= 0")
+    def __init__(self, process: multiprocessing.Process, conn: Connection, max_waiting_requests: int | None = None):
+        """Wait for the engine process (server/launch.py started it; `conn` its end of the pipe)
+        to say ready."""
         self.max_waiting_requests = max_waiting_requests
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or torch state
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=run_engine_process, name="carpool-engine",
-                                       args=(config, model_name, metrics_namespace, log_stats, child))
-        engine_env, frontend_cpus = plan_cpus(config)
-        saved = {k: os.environ.get(k) for k in engine_env}
-        os.environ.update(engine_env)  # the spawned interpreter inherits it; libgomp reads it on load
-        try:
-            self.process.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
-        child.close()
-        if frontend_cpus is not None:
-            os.sched_setaffinity(0, frontend_cpus)  # this thread, and the threads it starts from now on
+        self.process, self._conn = process, conn
         # "ready" brings the engine's tokenizer, pickled: import its classes (transformers, ~1 s)
         # while the engine loads, not after.
-        import transformers.tokenization_utils_fast  # noqa: F401
+        importlib.import_module("transformers.tokenization_utils_fast")
         if not self._conn.poll(READY_TIMEOUT):
             self.process.kill()
             raise RuntimeError("the engine process did not start in time")
@@ -268,12 +223,6 @@ class EngineProcess:
 
     def dead_message(self) -> str:
         return DEAD_AFTER_ERROR if self.error is not None else NOT_RUNNING
-
-    @classmethod
-    def for_server(cls, config: EngineConfig, options: ServerOptions) -> EngineProcess:
-        """The client `carpool serve` gives `create_app` (AsyncLLMEngine.for_server: in process)."""
-        return cls(config, options.model_names(config.model)[0], options.max_waiting_requests,
-                   options.metrics_namespace, log_stats=not options.disable_log_stats)
 
     # ------------------------------------------------------------ lifecycle (event loop thread)
     def start(self) -> None:

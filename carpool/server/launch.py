@@ -15,14 +15,87 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
+import os
 import signal
 import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from carpool.config import EngineConfig
 from carpool.server.options import ServerOptions
 from carpool.server.startup import freeze_startup_objects
 
 log = logging.getLogger("carpool.server")
+
+
+# ---------------------------------------------------------------- where each process runs
+
+SPIN_COUNT = "10000"  # spin across the short gaps inside a step, sleep through its Python
+
+
+def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str], set[int] | None]:
+    """Where the engine's OpenMP threads and the frontend run: (the engine process's extra
+    environment, the frontend's cores), or ({}, None) to leave both to the OS.
+
+    When the engine's threads take every core this process may use, the frontend has to share
+    one. Left to the OS it lands on the core of the step's main thread: a step's outputs, written
+    to the pipe, wake it there (a sync wake-up), and it preempts the main thread about once per
+    token, stalling both threads. So OpenMP thread i is bound to core i, the frontend to the last
+    core, and the threads there stop spinning soon after a parallel region (GOMP_SPINCOUNT), so
+    the frontend runs in the time the last thread sleeps through the step's Python
+    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, with TP/PP (more
+    than one process), or with placement already set in the environment, nothing is bound."""
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = config.num_threads or len(cpus)
+    user_set = any(k in environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY"))
+    if config.world_size > 1 or len(cpus) < 2 or threads != len(cpus) or user_set:
+        return {}, None
+    env = {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
+    if "GOMP_SPINCOUNT" not in environ:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return env, {cpus[-1]}
+
+
+@dataclass
+class StartingEngine:
+    """An engine process started and loading; `EngineProcess` waits for it to say ready."""
+
+    process: multiprocessing.Process
+    conn: Connection
+
+
+def _engine_main(*args) -> None:
+    """The engine process's entry: it imports the engine there, so the frontend starts it
+    before importing anything heavy itself."""
+    from carpool.server.engine_process import run_engine_process
+
+    run_engine_process(*args)
+
+
+def start_engine_process(config: EngineConfig, options: ServerOptions) -> StartingEngine:
+    """Spawn the engine process for `config` (it loads the model meanwhile) and move this
+    process's threads to the frontend's cores (plan_cpus)."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or torch state
+    conn, child = context.Pipe()
+    process = context.Process(target=_engine_main, name="carpool-engine",
+                              args=(config, options.model_names(config.model)[0], options.metrics_namespace,
+                                    not options.disable_log_stats, child))
+    engine_env, frontend_cpus = plan_cpus(config)
+    saved = {k: os.environ.get(k) for k in engine_env}
+    os.environ.update(engine_env)  # the spawned interpreter inherits it; libgomp reads it on load
+    try:
+        process.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    child.close()
+    if frontend_cpus is not None:
+        os.sched_setaffinity(0, frontend_cpus)  # this thread, and the threads it starts from now on
+    return StartingEngine(process, conn)
 
 
 def _uvicorn_server_class():
@@ -39,13 +112,14 @@ def _uvicorn_server_class():
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
+    starting = start_engine_process(config, options)  # it loads while this process imports the server
     import torch
     import uvicorn
 
     from carpool.server.app import create_app
     from carpool.server.engine_process import EngineProcess
 
-    engine = EngineProcess.for_server(config, options)
+    engine = EngineProcess(starting.process, starting.conn, options.max_waiting_requests)
     try:
         torch.set_num_threads(1)  # the frontend runs no kernels; the engine process owns the cores
         app = create_app(engine, options)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.server.engine_process import plan_cpus
+from carpool.server.launch import plan_cpus
 from tests.server.serve_process import start_serve
 
 
