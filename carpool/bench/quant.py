@@ -4,8 +4,9 @@ For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head)
 times carpool's quantized layers as the engine calls them (int4 / int8: csrc/quant_gemv.c at decode
 sizes; GGUF Q4_K / Q6_K: csrc/kquant.c; all three from their own codes at every size, the bf16
 tile kernel from quant.TILE_FROM tokens), torch's `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, against bf16 `F.linear` and the oneDNN-packed `PackedLinear` the
-engine uses for unquantized models. Each shape has one weight per layer, called in
+`_weight_int4pack_mm_for_cpu`, and the bf16 tiles (`TiledLinear`) the engine uses for unquantized
+models where the CPU has AVX512-BF16, against bf16 `F.linear` and the oneDNN-packed `PackedLinear`
+it uses elsewhere. Each shape has one weight per layer, called in
 turn, so weights come from memory as in a forward pass rather than from a hot cache; kernels are
 interleaved and the best of a few rounds is kept, so ratios hold on a busy host. Then one greedy
 stream decodes per `--quantization` mode through the whole engine (the engines take turns, best
@@ -29,14 +30,15 @@ from carpool.bench.hybrid import carpool_single_stream
 from carpool.config import EngineConfig, ModelConfig
 from carpool.harness.metrics import cpu_name
 from carpool.model import cpu_kernels, gguf_codes, gguf_encode
-from carpool.model.llama import PackedLinear, can_pack_linears
+from carpool.model.llama import PackedLinear, TiledLinear, can_pack_linears
 from carpool.model.quant import QuantizedLinear
 
 # "C": the layer as the engine calls it; "VNNI" / "AMX": quant_gemv.c's integer kernel on one of
-# the two at every token count (same outputs).
-KERNELS = ("bf16 F.linear", "bf16 packed", "int8 torch", "int4 torch", "int8 C", "int4 C", "Q4_K C", "Q6_K C",
-           "int4 C VNNI", "int4 C AMX")
-QUANTIZED = KERNELS[2:]
+# the two at every token count (same outputs); "bf16 tiles": the bf16 layer where the CPU has
+# AVX512-BF16 (TiledLinear), against oneDNN's packed one.
+KERNELS = ("bf16 F.linear", "bf16 packed", "bf16 tiles", "int8 torch", "int4 torch", "int8 C", "int4 C", "Q4_K C",
+           "Q6_K C", "int4 C VNNI", "int4 C AMX")
+COMPARED = KERNELS[2:]  # each against the packed bf16 layer
 
 
 def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -72,6 +74,8 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):
             kernels["bf16 packed"].append(PackedLinear(dense))
+        if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() and in_features % 32 == 0:
+            kernels["bf16 tiles"].append(TiledLinear(dense))
     return {k: v for k, v in kernels.items() if v}
 
 
@@ -159,8 +163,8 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
 
 
 def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per quantized kernel, summed over the model's shapes: prefill at 256 tokens as a speed
-    ratio to the packed bf16 GEMM (>= 0.8 wanted: one copy of the weights costs prefill little),
+    """Per kernel but the reference (the quantized ones and the bf16 tiles), summed over the
+    model's shapes: prefill at 256 tokens as a speed ratio to the packed bf16 GEMM (>= 0.8 wanted: one copy of the weights costs prefill little),
     and a 16-token step's tokens/s over a 1-token step's (>= 4 wanted: batching pays)."""
     def total(kernel: str, tokens: int) -> float | None:
         times = [r.get(f"{kernel}_s") for r in rows if r["tokens"] == tokens]
@@ -168,7 +172,7 @@ def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
 
     ref = "bf16 packed" if any("bf16 packed_s" in r for r in rows) else "bf16 F.linear"
     out = {}
-    for kernel in QUANTIZED:
+    for kernel in COMPARED:
         prefill, dense, one, sixteen = total(kernel, 256), total(ref, 256), total(kernel, 1), total(kernel, 16)
         entry = {}
         if prefill and dense:
@@ -188,12 +192,12 @@ def write_outputs(result: dict, out: Path) -> None:
     lines = [f"CPU {result['cpu']}, {result['threads']} threads, {result['dtype']}; other processes used "
              f"{result['other_cpu_cores']:.2f} cores on average during the run ({result['seconds']:.0f} s).", "",
              "| shape | in x out | tokens | " + " | ".join(f"{k} us" for k in kernels)
-             + f" | speed-up vs {ref}: " + " / ".join(k for k in kernels if k in QUANTIZED) + " |",
+             + f" | speed-up vs {ref}: " + " / ".join(k for k in kernels if k in COMPARED) + " |",
              "|---|---|---|" + "---|" * len(kernels) + "---|"]
     for r in result["kernels"]:
         lines.append(f"| {r['shape']} | {r['in']}x{r['out']} | {r['tokens']} | "
                      + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels) + " | "
-                     + " / ".join(f"{r[f'{ref}_s'] / r[f'{k}_s']:.2f}x" for k in kernels if k in QUANTIZED) + " |")
+                     + " / ".join(f"{r[f'{ref}_s'] / r[f'{k}_s']:.2f}x" for k in kernels if k in COMPARED) + " |")
     if result["targets"]:
         lines += ["", "| kernel (all shapes) | prefill 256 tokens, speed vs bf16 | 16-token step vs 1-token, tokens/s |",
                   "|---|---|---|"]

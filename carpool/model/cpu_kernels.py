@@ -74,6 +74,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "kq_matmul": ("int", "ptr w, ptr x, ptr out, i64 tokens, int is_bf16, int num_threads, i64 tile_from"),
     "kq_pack": ("int", "ptr blocks, i64 row_stride, int qtype, ptr rows, i64 count, ptr out, i64 first_row, "
                        "int num_threads"),
+    "bf16_tiles_pack": ("void", "ptr w, i64 n, i64 k, ptr tiles"),
+    "bf16_tiles_matmul": ("int", "ptr tiles, ptr x, ptr out, i64 tokens, i64 n, i64 k, int num_threads, "
+                                 "i64 amx_from"),
     "paged_attention_runs": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
                                     "ptr block_tables, i64 table_width, ptr context_lens, ptr query_starts, "
                                     "i64 num_runs, i64 num_heads, i64 num_kv_heads, i64 head_dim, i64 block_size, "
@@ -542,6 +545,33 @@ class KQuantMatmul:
         return out
 
 
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [n, k] (k a multiple of 32) rewritten as kquant.c's stored tiles: 16 rows'
+    channel pairs together, as its bf16 kernels read them (flat, the last block's missing rows zero)."""
+    if not (weight.is_cpu and weight.dtype is _BF16 and weight.dim() == 2 and weight.shape[1] % 32 == 0):
+        _reject("bf16_tiles_pack", "a CPU bf16 tensor [n, k], k a multiple of 32", weight=weight)
+    n, k = weight.shape
+    weight = weight.contiguous()
+    tiles = torch.empty((n + 15) // 16 * 16 * k, dtype=_BF16)
+    library().bf16_tiles_pack(weight.data_ptr(), n, k, tiles.data_ptr())
+    return tiles
+
+
+def bf16_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int, amx_from: int) -> torch.Tensor:
+    """x [tokens, k] bf16 @ W.T for W stored by `bf16_tiles`; on AMX from `amx_from` tokens (0: never)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.carpool.bf16_tiles_matmul(x, tiles, n, amx_from)
+    x = x.contiguous()
+    k = tiles.numel() // ((n + 15) // 16 * 16)
+    if not (x.is_cpu and x.dtype is _BF16 and x.dim() == 2 and x.shape[1] == k):
+        _reject("bf16_tiles_matmul", f"a CPU bf16 tensor [tokens, {k}]", x=x)
+    out = x.new_empty((x.shape[0], n))
+    if not library().bf16_tiles_matmul(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, k,
+                                       torch.get_num_threads(), amx_from):
+        raise MemoryError("bf16_tiles_matmul: no memory for the activations' copy")
+    return out
+
+
 def kq_pack(blocks: np.ndarray, qtype: int, rows: np.ndarray, tensors: KQTensors, n: int, k: int, bits: int,
             offset: int, super_size: int, first_row: int) -> None:
     """Rows `rows` of a GGUF tensor of type `qtype` (GGML's number), its blocks [tensor rows, row
@@ -642,6 +672,16 @@ def _kq_matmul_op(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None, sc
 
 @_kq_matmul_op.register_fake
 def _(x, lo, hi, sc, mn, d, m, n, bits, offset, super_size, m_sign, tile_from):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.custom_op(f"{OPS}::bf16_tiles_matmul", mutates_args=(), device_types="cpu")
+def _bf16_tiles_matmul_op(x: torch.Tensor, tiles: torch.Tensor, n: int, amx_from: int) -> torch.Tensor:
+    return bf16_tiles_matmul(x, tiles, n, amx_from)
+
+
+@_bf16_tiles_matmul_op.register_fake
+def _(x, tiles, n, amx_from):
     return x.new_empty((x.shape[0], n))
 
 

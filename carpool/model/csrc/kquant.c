@@ -303,18 +303,42 @@ static void dequantize_block(const KQuantWeight *w, int64_t b, uint8_t *tile, in
     }
 }
 
-/* `tn` tokens of one token tile against a tile of `nb` blocks (constants where inlined). xp holds
-   the token tile's channel pairs token-minor ([pair][GEMM_TOKENS] 32-bit values), so that every
-   broadcast is at a constant offset from one pointer. */
-static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *tile, int64_t pairs, const uint32_t *xp,
-                                                              const int tn, const int nb, void *out, int64_t n,
-                                                              int64_t t0, int64_t row0) {
+/* Where a product's bf16 tiles come from: a quantized weight's blocks, dequantized into the
+   thread's scratch as they are needed, or tiles stored in that layout (bf16 weights: `stored`,
+   block b's channel pair p at stored + (b * k / 2 + p) * 16 rows x 2 channels). */
+typedef struct {
+    const KQuantWeight *w;
+    const uint16_t *stored;
+    int64_t n, k;
+} TileSource;
+
+/* Blocks b .. b + nb - 1's tiles (tiles[i]); returns the bytes from one channel pair to the next. */
+static inline int64_t block_tiles(const TileSource *src, int64_t b, int nb, uint8_t *scratch, const uint8_t *tiles[2]) {
+    if (src->stored) {
+        for (int i = 0; i < nb; i++) tiles[i] = (const uint8_t *)(src->stored + (b + i) * KQ_ROWS * src->k);
+        return 64;
+    }
+    for (int i = 0; i < nb; i++) {
+        dequantize_block(src->w, b + i, scratch + i * 64, 64 * nb);
+        tiles[i] = scratch + i * 64;
+    }
+    return 64 * nb;
+}
+
+/* `tn` tokens of one token tile against `nb` blocks' tiles (constants where inlined): block i's
+   channel pair p at tile[i] + p * stride. xp holds the token tile's channel pairs token-minor
+   ([pair][GEMM_TOKENS] 32-bit values), so that every broadcast is at a constant offset from one
+   pointer. */
+static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *const tile[2], int64_t stride,
+                                                              int64_t pairs, const uint32_t *xp, const int tn,
+                                                              const int nb, void *out, int64_t n, int64_t t0,
+                                                              int64_t row0) {
     __m512 acc[2][GEMM_TOKENS];
     for (int i = 0; i < nb; i++)
         for (int t = 0; t < tn; t++) acc[i][t] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64 * nb);
-        const __m512bh w1 = nb == 2 ? (__m512bh)_mm512_loadu_si512(tile + p * 128 + 64) : w0;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile[0] + p * stride);
+        const __m512bh w1 = nb == 2 ? (__m512bh)_mm512_loadu_si512(tile[1] + p * stride) : w0;
         const uint32_t *x = xp + p * GEMM_TOKENS;
         for (int t = 0; t < tn; t++) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[t]);
@@ -329,18 +353,18 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *til
 
 #define TOKENS_CASES(NB)                                                                    \
     switch (tn) {                                                                           \
-        case 12: tile_tokens(tile, pairs, xp, 12, NB, out, n, t0, row0); break;              \
-        case 11: tile_tokens(tile, pairs, xp, 11, NB, out, n, t0, row0); break;              \
-        case 10: tile_tokens(tile, pairs, xp, 10, NB, out, n, t0, row0); break;              \
-        case 9: tile_tokens(tile, pairs, xp, 9, NB, out, n, t0, row0); break;                \
-        case 8: tile_tokens(tile, pairs, xp, 8, NB, out, n, t0, row0); break;                \
-        case 7: tile_tokens(tile, pairs, xp, 7, NB, out, n, t0, row0); break;                \
-        case 6: tile_tokens(tile, pairs, xp, 6, NB, out, n, t0, row0); break;                \
-        case 5: tile_tokens(tile, pairs, xp, 5, NB, out, n, t0, row0); break;                \
-        case 4: tile_tokens(tile, pairs, xp, 4, NB, out, n, t0, row0); break;                \
-        case 3: tile_tokens(tile, pairs, xp, 3, NB, out, n, t0, row0); break;                \
-        case 2: tile_tokens(tile, pairs, xp, 2, NB, out, n, t0, row0); break;                \
-        default: tile_tokens(tile, pairs, xp, 1, NB, out, n, t0, row0); break;               \
+        case 12: tile_tokens(tiles, stride, pairs, xp, 12, NB, out, n, t0, row0); break;              \
+        case 11: tile_tokens(tiles, stride, pairs, xp, 11, NB, out, n, t0, row0); break;              \
+        case 10: tile_tokens(tiles, stride, pairs, xp, 10, NB, out, n, t0, row0); break;              \
+        case 9: tile_tokens(tiles, stride, pairs, xp, 9, NB, out, n, t0, row0); break;                \
+        case 8: tile_tokens(tiles, stride, pairs, xp, 8, NB, out, n, t0, row0); break;                \
+        case 7: tile_tokens(tiles, stride, pairs, xp, 7, NB, out, n, t0, row0); break;                \
+        case 6: tile_tokens(tiles, stride, pairs, xp, 6, NB, out, n, t0, row0); break;                \
+        case 5: tile_tokens(tiles, stride, pairs, xp, 5, NB, out, n, t0, row0); break;                \
+        case 4: tile_tokens(tiles, stride, pairs, xp, 4, NB, out, n, t0, row0); break;                \
+        case 3: tile_tokens(tiles, stride, pairs, xp, 3, NB, out, n, t0, row0); break;                \
+        case 2: tile_tokens(tiles, stride, pairs, xp, 2, NB, out, n, t0, row0); break;                \
+        default: tile_tokens(tiles, stride, pairs, xp, 1, NB, out, n, t0, row0); break;               \
     }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -361,21 +385,22 @@ static void configure_bf16_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Tokens t0..t0+31 (x: whole tiles, rows k apart) against the nb blocks dequantized in `tile`. */
-static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *tile, const uint16_t *x, int64_t k,
-                                                             const int nb, const int two, float *sums) {
-    const int64_t stride = 64 * nb, row = 2 * k;
+/* Tokens t0..t0+31 (x: whole tiles, rows k apart) against the nb blocks' tiles (block i's channel
+   pair p at tile[i] + p * stride). */
+static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *const tile[2], int64_t stride,
+                                                             const uint16_t *x, int64_t k, const int nb,
+                                                             const int two, float *sums) {
+    const int64_t row = 2 * k;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < k; c += 32) {
-        const uint8_t *b = tile + (c / 2) * stride;
         _tile_loadd(4, x + c, row);
-        _tile_loadd(6, b, stride);
+        _tile_loadd(6, tile[0] + (c / 2) * stride, stride);
         _tile_dpbf16ps(0, 4, 6);
         if (nb == 2) {
-            _tile_loadd(7, b + 64, stride);
+            _tile_loadd(7, tile[1] + (c / 2) * stride, stride);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (two) {
@@ -390,8 +415,8 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *tile
     _tile_stored(3, sums + 768, 64);
 }
 
-static int amx_tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
-    const int64_t n = w->n, k = w->k, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+static int amx_tile_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
+    const int64_t n = src->n, k = src->k, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
     const int64_t padded = (tokens + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS;
     const size_t per_thread = (size_t)k * 64 + 4096;  /* two blocks' tile, then 4 tiles of sums */
     uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
@@ -410,11 +435,12 @@ static int amx_tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, 
         for (int64_t two = 0; two < (blocks + 1) / 2; two++) {
             const int64_t b = 2 * two, row0 = b * KQ_ROWS;
             const int nb = b + 1 < blocks ? 2 : 1;
-            for (int i = 0; i < nb; i++) dequantize_block(w, b + i, tile + i * 64, 64 * nb);
+            const uint8_t *tiles[2];
+            const int64_t stride = block_tiles(src, b, nb, tile, tiles);
             for (int64_t t0 = 0; t0 < tokens; t0 += 2 * AMX_TOKENS) {
                 const int both = t0 + AMX_TOKENS < tokens;
-                if (nb == 2) amx_tokens(tile, xs + t0 * k, k, 2, both, sums);
-                else amx_tokens(tile, xs + t0 * k, k, 1, both, sums);
+                if (nb == 2) amx_tokens(tiles, stride, xs + t0 * k, k, 2, both, sums);
+                else amx_tokens(tiles, stride, xs + t0 * k, k, 1, both, sums);
                 for (int64_t t = t0; t < tokens && t < t0 + 2 * AMX_TOKENS; t++) {
                     const float *s = sums + ((t - t0) / AMX_TOKENS) * 512 + ((t - t0) % AMX_TOKENS) * 16;
                     for (int i = 0; i < nb; i++)
@@ -430,13 +456,18 @@ static int amx_tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, 
 }
 #endif
 
-static int tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
+/* The tiles of `src` against `tokens` bf16 tokens: on AMX from `amx_from` tokens (0: never), else
+   with vdpbf16ps in token tiles of GEMM_TOKENS. */
+static int tile_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads,
+                       int64_t amx_from) {
 #ifdef HAVE_KQ_AMX
-    if (quant_amx_supported()) return amx_tile_matmul(w, x, out, tokens, num_threads);
+    if (amx_from > 0 && tokens >= amx_from && quant_amx_supported())
+        return amx_tile_matmul(src, x, out, tokens, num_threads);
 #endif
-    const int64_t n = w->n, k = w->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+    (void)amx_from;
+    const int64_t n = src->n, k = src->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
     const int64_t token_tiles = (tokens + GEMM_TOKENS - 1) / GEMM_TOKENS;
-    const size_t per_thread = (size_t)pairs * 128;
+    const size_t per_thread = src->stored ? 64 : (size_t)pairs * 128;
     uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
     uint32_t *packed_x = calloc((size_t)(token_tiles * pairs * GEMM_TOKENS), sizeof(uint32_t));
     if (!scratch || !packed_x) {
@@ -453,7 +484,8 @@ static int tile_matmul(const KQuantWeight *w, const uint16_t *x, void *out, int6
         for (int64_t two = 0; two < (blocks + 1) / 2; two++) {
             const int64_t b = 2 * two, row0 = b * KQ_ROWS;
             const int nb = b + 1 < blocks ? 2 : 1;
-            for (int i = 0; i < nb; i++) dequantize_block(w, b + i, tile + i * 64, 64 * nb);
+            const uint8_t *tiles[2];
+            const int64_t stride = block_tiles(src, b, nb, tile, tiles);
             for (int64_t t0 = 0; t0 < tokens; t0 += GEMM_TOKENS) {
                 const int64_t tn = tokens - t0 < GEMM_TOKENS ? tokens - t0 : GEMM_TOKENS;
                 const uint32_t *xp = packed_x + (t0 / GEMM_TOKENS) * pairs * GEMM_TOKENS;
@@ -474,13 +506,47 @@ int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, i
               int64_t tile_from) {
 #ifdef HAVE_KQ_GEMM
     if (is_bf16 && tile_from > 0 && tokens >= tile_from)
-        return tile_matmul(w, (const uint16_t *)x, out, tokens, num_threads);
+    {
+        const TileSource src = {w, NULL, w->n, w->k};
+        return tile_matmul(&src, (const uint16_t *)x, out, tokens, num_threads, 1);
+    }
 #endif
 #ifdef HAVE_KQ
     (void)tile_from;
     return int_matmul(w, x, out, tokens, is_bf16, num_threads);
 #else
     (void)w, (void)x, (void)out, (void)tokens, (void)is_bf16, (void)num_threads, (void)tile_from;
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------- bf16 weights as stored tiles */
+
+/* w [n, k] bf16 (rows dense) rewritten as tiles (see TileSource): [ceil(n / 16)][k / 2][16][2], the
+   rows past n zero. */
+void bf16_tiles_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *tiles) {
+    const int64_t blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int64_t r = 0; r < KQ_ROWS; r++) {
+                const int64_t row = b * KQ_ROWS + r;
+                uint16_t *at = tiles + ((b * (k / 2) + p) * KQ_ROWS + r) * 2;
+                at[0] = row < n ? w[row * k + 2 * p] : 0;
+                at[1] = row < n ? w[row * k + 2 * p + 1] : 0;
+            }
+}
+
+/* out[tokens, n] = x[tokens, k] @ W.T for W stored as tiles, x and out bf16: bf16 products summed
+   in fp32, each weight read once per call. Below `amx_from` tokens (or without AMX) with
+   vdpbf16ps, which at one token streams the tiles at the memory's rate; from it on AMX. Returns
+   0 when out of memory or when this CPU lacks AVX512-BF16. */
+int bf16_tiles_matmul(const uint16_t *tiles, const uint16_t *x, uint16_t *out, int64_t tokens, int64_t n, int64_t k,
+                      int num_threads, int64_t amx_from) {
+#ifdef HAVE_KQ_GEMM
+    const TileSource src = {NULL, tiles, n, k};
+    return tile_matmul(&src, x, out, tokens, num_threads, amx_from);
+#else
+    (void)tiles, (void)x, (void)out, (void)tokens, (void)n, (void)k, (void)num_threads, (void)amx_from;
     return 0;
 #endif
 }
