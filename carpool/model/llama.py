@@ -173,12 +173,12 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
 
 
 class TiledLinear(nn.Module):
-    """A bias-free bf16 linear layer whose weight is stored as kquant.c's tiles (16 rows' channel
-    pairs together), multiplied by its bf16 kernels: `vdpbf16ps` below AMX_FROM tokens, AMX from
-    there where the CPU has it. oneDNN's packed GEMV read a 1B model's gate/up weight at 7.6 GB/s
-    on an Intel Xeon with AMX whose memory reads at 19.8; these tiles stream at 20.3 GB/s (2.3x
-    faster at one token, 2.0x at 16, 1.6x at 64), and 256-token products run 0.8x oneDNN's speed
-    (`carpool bench quant`, BENCHMARKS.md "bf16 weights as tiles")."""
+    """A bf16 linear layer whose weight is stored as kquant.c's tiles (16 rows' channel pairs
+    together), multiplied by its bf16 kernels: `vdpbf16ps` below AMX_FROM tokens, AMX from there
+    where the CPU has it. On an Intel Xeon with AMX whose memory reads at 19.8 GB/s, oneDNN's
+    packed GEMV read a 1B model's gate/up weight at 7.6 GB/s; over all of that model's linears
+    the tiles ran 2.09x faster at one token, 1.83x at 16, 1.33x at 64 and 0.94x at 256
+    (`carpool bench quant`, BENCHMARKS.md "Kernels")."""
 
     AMX_FROM = 16
 

@@ -351,20 +351,20 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *con
             store16(out, (t0 + t) * n + row0 + i * KQ_ROWS, acc[i][t], n - row0 - i * KQ_ROWS, 1);
 }
 
-#define TOKENS_CASES(NB)                                                                    \
-    switch (tn) {                                                                           \
-        case 12: tile_tokens(tiles, stride, pairs, xp, 12, NB, out, n, t0, row0); break;              \
-        case 11: tile_tokens(tiles, stride, pairs, xp, 11, NB, out, n, t0, row0); break;              \
-        case 10: tile_tokens(tiles, stride, pairs, xp, 10, NB, out, n, t0, row0); break;              \
-        case 9: tile_tokens(tiles, stride, pairs, xp, 9, NB, out, n, t0, row0); break;                \
-        case 8: tile_tokens(tiles, stride, pairs, xp, 8, NB, out, n, t0, row0); break;                \
-        case 7: tile_tokens(tiles, stride, pairs, xp, 7, NB, out, n, t0, row0); break;                \
-        case 6: tile_tokens(tiles, stride, pairs, xp, 6, NB, out, n, t0, row0); break;                \
-        case 5: tile_tokens(tiles, stride, pairs, xp, 5, NB, out, n, t0, row0); break;                \
-        case 4: tile_tokens(tiles, stride, pairs, xp, 4, NB, out, n, t0, row0); break;                \
-        case 3: tile_tokens(tiles, stride, pairs, xp, 3, NB, out, n, t0, row0); break;                \
-        case 2: tile_tokens(tiles, stride, pairs, xp, 2, NB, out, n, t0, row0); break;                \
-        default: tile_tokens(tiles, stride, pairs, xp, 1, NB, out, n, t0, row0); break;               \
+#define TOKENS_CASES(NB)                                                                           \
+    switch (tn) {                                                                                  \
+        case 12: tile_tokens(tiles, stride, pairs, xp, 12, NB, out, n, t0, row0); break;           \
+        case 11: tile_tokens(tiles, stride, pairs, xp, 11, NB, out, n, t0, row0); break;           \
+        case 10: tile_tokens(tiles, stride, pairs, xp, 10, NB, out, n, t0, row0); break;           \
+        case 9: tile_tokens(tiles, stride, pairs, xp, 9, NB, out, n, t0, row0); break;             \
+        case 8: tile_tokens(tiles, stride, pairs, xp, 8, NB, out, n, t0, row0); break;             \
+        case 7: tile_tokens(tiles, stride, pairs, xp, 7, NB, out, n, t0, row0); break;             \
+        case 6: tile_tokens(tiles, stride, pairs, xp, 6, NB, out, n, t0, row0); break;             \
+        case 5: tile_tokens(tiles, stride, pairs, xp, 5, NB, out, n, t0, row0); break;             \
+        case 4: tile_tokens(tiles, stride, pairs, xp, 4, NB, out, n, t0, row0); break;             \
+        case 3: tile_tokens(tiles, stride, pairs, xp, 3, NB, out, n, t0, row0); break;             \
+        case 2: tile_tokens(tiles, stride, pairs, xp, 2, NB, out, n, t0, row0); break;             \
+        default: tile_tokens(tiles, stride, pairs, xp, 1, NB, out, n, t0, row0); break;            \
     }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -505,8 +505,7 @@ static int tile_matmul(const TileSource *src, const uint16_t *x, void *out, int6
 int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
               int64_t tile_from) {
 #ifdef HAVE_KQ_GEMM
-    if (is_bf16 && tile_from > 0 && tokens >= tile_from)
-    {
+    if (is_bf16 && tile_from > 0 && tokens >= tile_from) {
         const TileSource src = {w, NULL, w->n, w->k};
         return tile_matmul(&src, (const uint16_t *)x, out, tokens, num_threads, 1);
     }
