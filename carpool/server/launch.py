@@ -113,13 +113,18 @@ def _uvicorn_server_class():
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
     starting = start_engine_process(config, options)  # it loads while this process imports the server
-    import torch
-    import uvicorn
+    try:
+        import torch
+        import uvicorn
 
-    from carpool.server.app import create_app
-    from carpool.server.engine_process import EngineProcess
+        from carpool.server.app import create_app
+        from carpool.server.engine_process import EngineProcess
 
-    engine = EngineProcess(starting.process, starting.conn, options.max_waiting_requests)
+        engine = EngineProcess(starting.process, starting.conn, options.max_waiting_requests)
+    except BaseException:  # a failed start, or Ctrl-C while the engine loads: it must not outlive us
+        starting.process.kill()
+        starting.process.join()
+        raise
     try:
         torch.set_num_threads(1)  # the frontend runs no kernels; the engine process owns the cores
         app = create_app(engine, options)

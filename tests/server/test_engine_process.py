@@ -137,3 +137,28 @@ def test_an_engine_on_every_core_is_bound_one_thread_per_core_and_the_frontend_b
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
+
+
+def test_an_engine_that_fails_to_start_does_not_outlive_the_frontend(monkeypatch):
+    """`carpool serve` starts the engine process before its own imports; a failure (or Ctrl-C)
+    before the engine is ready kills that process instead of leaving it loading."""
+    from carpool.server import engine_process, launch
+    from carpool.server.options import ServerOptions
+
+    class Process:
+        calls: list[str] = []
+
+        def kill(self):
+            self.calls.append("kill")
+
+        def join(self):
+            self.calls.append("join")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "start_engine_process", lambda config, options: launch.StartingEngine(Process(), None))
+    monkeypatch.setattr(engine_process, "EngineProcess", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_server(EngineConfig(model="m.gguf"), ServerOptions())
+    assert Process.calls == ["kill", "join"]

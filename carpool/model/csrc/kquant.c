@@ -525,6 +525,7 @@ int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, i
    rows past n zero. */
 void bf16_tiles_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *tiles) {
     const int64_t blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+#pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t p = 0; p < k / 2; p++)
             for (int64_t r = 0; r < KQ_ROWS; r++) {
