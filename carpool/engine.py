@@ -32,7 +32,7 @@ from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
 from carpool.sampler import BAD_LOGITS, Sampler, score_prompt
 from carpool.sampling_params import SamplingParams
-from carpool.spec.acceptance import SpecDecodeStats, drafts_to_ask
+from carpool.spec.acceptance import SpecDecodeStats, drafts_to_ask, next_draft_kept
 from carpool.spec.proposers import make_proposer
 from carpool.structured import StructuredOutputs
 from carpool.structured.masks import MaskJob
@@ -278,7 +278,7 @@ class LLMEngine:
         now = time.monotonic()
         failed: dict[int, RequestOutput] = {}
         kept = [0] * len(ready)
-        first: dict[int, int] = {}  # each request's first token of the step
+        last: dict[int, int] = {}  # each request's last token of the step
         active, position = list(range(len(ready))), 0
         while active:
             sampled = [i for i in active if position == 0 or i not in argmax]
@@ -300,7 +300,7 @@ class LLMEngine:
                     continue
                 if lp is not None:
                     self.outputs.append_logprobs(request, token, lp)
-                first.setdefault(i, token)
+                last[i] = token
                 status = self.outputs.append_token(request, token, now)
                 if status is None and request.grammar is not None and self.structured.is_complete(request):
                     status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
@@ -315,11 +315,10 @@ class LLMEngine:
         for i, request in enumerate(ready):
             if drafts[i]:
                 self.spec_stats.record(len(drafts[i]), kept[i])
-                if request.spec is not None:
-                    request.spec.observe(len(drafts[i]), kept[i])
                 self.scheduler.end_verification(request)
-            elif request.spec_token_ids and request.spec is not None and i in first:
-                request.spec.observe_unscored(request.spec_token_ids[0] == first[i])
+            if request.spec is not None and i in last:
+                request.spec.observe(len(drafts[i]), kept[i],
+                                     next_draft_kept(request.spec_token_ids, len(drafts[i]), kept[i], last[i]))
         return [failed[i] if i in failed else self.outputs.make_output(r) for i, r in enumerate(ready)]
 
     @staticmethod

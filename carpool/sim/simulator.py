@@ -185,11 +185,12 @@ class Replica:
                 accepted += 1
             if drafts:
                 self.spec_stats.record(len(drafts), accepted)
-                r.spec.observe(len(drafts), accepted)
                 self.scheduler.end_verification(r)
                 mb.num_accepted += accepted
-            elif r.spec_token_ids and r.spec is not None:  # a proposal not scored, as the engine learns from it
-                r.spec.observe_unscored(self.num_kept(1) == 1)
+            if r.spec is not None:
+                # as the engine learns: also from the proposal's first draft the step did not score
+                unscored = accepted == len(drafts) < len(r.spec_token_ids)
+                r.spec.observe(len(drafts), accepted, self.num_kept(1) == 1 if unscored else None)
         self.propose([r for r in ready if r.status is RequestStatus.RUNNING])
         return finished
 

@@ -9,8 +9,11 @@ spec` the kept share was 0.84 for the first two positions and 0.94-0.96 for the 
 A request is asked for the full `num_speculative_tokens` while its first draft is worth it
 (acceptance >= MIN_REACH); the scheduler decides how many of them a step scores: under the
 step-time target, those worth their predicted cost (core/scheduler.py); with a fixed budget, the
-run whose last one still has MIN_REACH chance (`reachable`). A proposal a step did not score
-still teaches `acceptance` (`observe_unscored`). A request whose drafts keep failing asks for
+run whose last one still has MIN_REACH chance (`reachable`). A step also learns about the
+first draft of the proposal it did not score (`next_draft_kept`): when every scored draft was
+kept, the token sampled after them is that draft's verdict. Without this, a step that scores
+one draft a request never shows whether a second would pay, and a request priced out under load
+never shows that its drafts got good again. A request whose drafts keep failing asks for
 none, but for one every PROBE_EVERY steps, so it notices when its output starts repeating.
 """
 
@@ -49,18 +52,25 @@ class SpecState:
             return 1
         return 0
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        if not num_drafts:
+    def observe(self, num_drafts: int, num_accepted: int, next_kept: bool | None = None) -> None:
+        """A verification of `num_drafts` that kept `num_accepted`; `next_kept`: how the first
+        unscored draft of the proposal would have fared (None: unknown, see next_draft_kept)."""
+        outcomes = [1.0] * num_accepted + [0.0] * (num_accepted < num_drafts)
+        if num_accepted == num_drafts and next_kept is not None:
+            outcomes.append(float(next_kept))
+        if not outcomes:
             return
-        self.acceptance += RATE * (float(num_accepted > 0) - self.acceptance)
-        for kept in [1.0] * (num_accepted - 1) + [0.0] * (0 < num_accepted < num_drafts):
+        self.acceptance += RATE * (outcomes[0] - self.acceptance)
+        for kept in outcomes[1:]:
             self.continuation += RATE * (kept - self.continuation)
 
-    def observe_unscored(self, kept: bool) -> None:
-        """A proposal the step did not score still says how its first draft would have fared (it
-        is kept when it equals the token the step sampled). Without this, a request the
-        scheduler prices out under load would never again show that its drafts got good."""
-        self.acceptance += RATE * (float(kept) - self.acceptance)
+
+def next_draft_kept(proposal: list[int], num_scored: int, num_kept: int, last_token: int) -> bool | None:
+    """Whether the proposal's first unscored draft would have been kept: known only when every
+    scored draft was, as it then had to equal the token the step sampled after them."""
+    if num_kept < num_scored or len(proposal) <= num_scored:
+        return None
+    return proposal[num_scored] == last_token
 
 
 def reachable(spec: SpecState, limit: int) -> int:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.spec.acceptance import MIN_REACH, PROBE_EVERY, RATE, SpecState, reachable
+from carpool.spec.acceptance import MIN_REACH, PROBE_EVERY, RATE, SpecState, next_draft_kept, reachable
 from tests.helpers import examples
 
 
@@ -24,6 +24,31 @@ def test_the_first_draft_and_the_ones_after_a_kept_one_are_learnt_apart():
     assert spec.continuation == pytest.approx(after)
     spec.observe(0, 0)  # a step without drafts says nothing
     assert spec.continuation == pytest.approx(after)
+
+
+def test_the_token_after_the_scored_drafts_judges_the_first_unscored_one():
+    proposal = [5, 6, 7]
+    assert next_draft_kept(proposal, 1, 1, last_token=6) is True  # draft 5 kept, then 6 sampled
+    assert next_draft_kept(proposal, 1, 1, last_token=9) is False
+    assert next_draft_kept(proposal, 0, 0, last_token=5) is True  # none scored: the first draft
+    assert next_draft_kept(proposal, 2, 1, last_token=7) is None  # a scored one failed: unknown
+    assert next_draft_kept(proposal, 3, 3, last_token=8) is None  # nothing was left unscored
+    spec = SpecState(acceptance=0.5, continuation=0.5)
+    spec.observe(1, 1, next_kept=True)  # one draft scored and kept: the second would have been
+    assert spec.acceptance == 0.5 + RATE * 0.5 and spec.continuation == 0.5 + RATE * 0.5
+    spec.observe(0, 0, next_kept=False)  # an unscored proposal teaches the first draft's rate
+    assert spec.acceptance == pytest.approx((0.5 + RATE * 0.5) * (1 - RATE))
+    spec.observe(2, 1, next_kept=True)  # ignored: verification stopped before the proposal's end
+    assert spec.continuation == pytest.approx((0.5 + RATE * 0.5) * (1 - RATE))
+
+
+def test_a_request_scored_one_draft_a_step_learns_that_its_copies_go_on():
+    """Steps that score only each request's first draft (a busy batch) still raise the later
+    drafts' price when the copies go on, so a later step takes more of them."""
+    spec = SpecState()
+    for _ in range(10):
+        spec.observe(1, 1, next_kept=True)
+    assert spec.continuation > 0.95 and reachable(spec, 5) == 5
 
 
 def test_copied_text_prices_later_drafts_above_one_rate_for_all():

@@ -140,3 +140,23 @@ def test_a_request_priced_out_of_drafts_still_learns_from_its_proposals(engine_f
         assert engine_fp32.spec_stats.num_draft_tokens == 0
     assert req.spec is not None and req.spec.acceptance > PRIOR  # the count goes on: its proposals were right
     assert req.spec.continuation == PRIOR  # nothing scored, nothing known past the first draft
+
+
+def test_a_request_scored_one_draft_a_step_learns_the_price_of_the_next(engine_fp32, monkeypatch):
+    """A step that scores only the first draft of each proposal and keeps it also samples the
+    token after it: the record counts that against the proposal's second draft, so the later
+    drafts' price follows the text (a copy goes on) and not the prior alone."""
+    schedule_drafts = engine_fp32.scheduler.schedule_drafts
+
+    def first_draft_only(batch):
+        schedule_drafts(batch)
+        for i, drafts in enumerate(batch.drafts):
+            batch.set_drafts(i, drafts[:1])
+
+    monkeypatch.setattr(engine_fp32.scheduler, "schedule_drafts", first_draft_only)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with speculating(engine_fp32, 4):
+        req, = generate(engine_fp32, [REPEATING[0]], sp)
+        stats = engine_fp32.spec_stats
+        assert stats.num_draft_tokens == stats.num_drafts > 0  # one draft per verification
+    assert req.spec is not None and req.spec.continuation > PRIOR  # its copies went on
