@@ -54,6 +54,7 @@ import torch
 from carpool.config import EngineConfig, SpeculativeConfig
 from carpool.harness.metrics import RequestTimeline, summarize, tbts
 from carpool.sampling_params import SamplingParams
+from carpool.server.startup import startup_objects_frozen
 
 # Of the wordings tried on the embedded SmolLM2-135M-Instruct (the code before or after the
 # request, "copy it exactly", "rewrite ... with one change", "keep every other line"), this one
@@ -449,6 +450,25 @@ def warm_up(engine) -> None:
         engine.step()
 
 
+def ngram_workloads(engines: dict, editing, args) -> dict:
+    """The editing, random and burst workloads that `args.workloads` names, off and on."""
+    off, w = engines["off"], {}
+    if "editing" in args.workloads:
+        w["editing"] = compare("editing", engines, editing, False, args.repeats, single_stream_stats)
+    if "random" in args.workloads:
+        prompts = random_prompts(off.model_config.vocab_size, args.num_random, RANDOM_PROMPT_LEN, args.workload_seed)
+        params = SamplingParams(max_tokens=args.random_tokens, temperature=0.0, ignore_eos=True,
+                                repetition_penalty=args.random_repetition_penalty)
+        w["random"] = compare("random", engines, [(p, params) for p in prompts], False, args.repeats,
+                              single_stream_stats)
+        w["random"].update(prompt_len=RANDOM_PROMPT_LEN, seed=args.workload_seed,
+                           repetition_penalty=args.random_repetition_penalty)
+    if "burst" in args.workloads:
+        burst = editing_requests(off.tokenizer, args.burst_size, args.max_tokens)
+        w["burst"] = compare("burst", engines, burst, True, args.repeats, burst_stats)
+    return w
+
+
 def run_spec_bench(config: EngineConfig, args) -> dict:
     from carpool.harness.metrics import cpu_name
     from carpool.engine import LLMEngine
@@ -471,19 +491,8 @@ def run_spec_bench(config: EngineConfig, args) -> dict:
         "repeats": args.repeats, "workloads": {},
     }
     w = result["workloads"]
-    if "editing" in args.workloads:
-        w["editing"] = compare("editing", engines, editing, False, args.repeats, single_stream_stats)
-    if "random" in args.workloads:
-        prompts = random_prompts(off.model_config.vocab_size, args.num_random, RANDOM_PROMPT_LEN, args.workload_seed)
-        params = SamplingParams(max_tokens=args.random_tokens, temperature=0.0, ignore_eos=True,
-                                repetition_penalty=args.random_repetition_penalty)
-        w["random"] = compare("random", engines, [(p, params) for p in prompts], False, args.repeats,
-                              single_stream_stats)
-        w["random"].update(prompt_len=RANDOM_PROMPT_LEN, seed=args.workload_seed,
-                           repetition_penalty=args.random_repetition_penalty)
-    if "burst" in args.workloads:
-        burst = editing_requests(off.tokenizer, args.burst_size, args.max_tokens)
-        w["burst"] = compare("burst", engines, burst, True, args.repeats, burst_stats)
+    with startup_objects_frozen():
+        w.update(ngram_workloads(engines, editing, args))
     if "draft" in args.workloads:
         engines.pop("on").shutdown()  # its memory goes to the draft engine
         ngram = w.get("editing", {}).get("on", {}).get("acceptance_rate")

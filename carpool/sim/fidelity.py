@@ -33,6 +33,7 @@ from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
 from carpool.harness.options import SchedulerSpec
 from carpool.harness.workload import PromptSource, build_workload
+from carpool.server.startup import startup_objects_frozen
 from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
 
@@ -165,7 +166,8 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
 def run_fidelity(config, args) -> dict:
     engine = LLMEngine(config)
     cost = FittedCostModel.load(args.profile)
-    results = [compare(engine, cost, spec, args) for spec in args.schedulers]
+    with startup_objects_frozen():
+        results = [compare(engine, cost, spec, args) for spec in args.schedulers]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("steps", "requests"):  # every step and request, to see where the errors sit

@@ -31,6 +31,7 @@ from carpool.core.scheduler import make_scheduler
 from carpool.core.step_cost import BatchShape, seed_shapes
 from carpool.harness.metrics import cpu_name
 from carpool.sampling_params import SamplingParams
+from carpool.server.startup import startup_objects_frozen
 
 LADDER_CONTEXTS = (128, 512, 1536, 4096)
 LADDER_REQUESTS = 32
@@ -147,7 +148,8 @@ def run_profile(config, args) -> None:
     from carpool.engine import LLMEngine
 
     engine = LLMEngine(config)
-    profile = profile_engine(engine, repeats=args.repeats, quick=args.quick)
+    with startup_objects_frozen():
+        profile = profile_engine(engine, repeats=args.repeats, quick=args.quick)
     profile.write(args.output)
     print(f"wrote {len(profile.steps)} steps to {args.output}")
     if args.compare:
