@@ -470,7 +470,7 @@ class KQuantWeight(ctypes.Structure):
 
 
 def has_kq_matmul() -> bool:
-    """Whether kquant.c's integer kernel runs here (AVX-512 VNNI, the library built)."""
+    """Whether kquant.c's integer kernel runs here (AVX-512 VNNI or AVX2, the library built)."""
     lib = library()
     return lib is not None and bool(lib.kq_supported())
 

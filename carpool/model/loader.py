@@ -492,7 +492,7 @@ def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype, gg
                                  f"{GGMLQuantizationType(t.tensor_type).name}, which carpool's kernels do not "
                                  f"multiply; supported: {', '.join(sorted(q.name for q in gguf_codes.SUPPORTED))}")
         if dtype != torch.bfloat16 or not cpu_kernels.has_kq_matmul():
-            raise ValueError("--quantization gguf runs csrc/kquant.c: bfloat16 on a CPU with AVX-512 VNNI")
+            raise ValueError("--quantization gguf runs csrc/kquant.c: bfloat16 on a CPU with AVX-512 VNNI or AVX2")
     if mode != "auto":
         return mode
     if gguf_reader is None or device.type != "cpu" or dtype == torch.float32:
@@ -508,7 +508,7 @@ def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype, gg
     if not unsupported and dtype == torch.bfloat16 and cpu_kernels.has_kq_matmul():
         return "gguf"
     why = (f"tensor {quantized[unsupported[0]]} has type {unsupported[0]}, which carpool's kernels do not multiply"
-           if unsupported else "csrc/kquant.c runs in bfloat16 on CPUs with AVX-512 VNNI")
+           if unsupported else "csrc/kquant.c runs in bfloat16 on CPUs with AVX-512 VNNI or AVX2")
     log.warning("GGUF weights widened to %s (%s): expect more memory and slower decode", dtype, why)
     return "none"
 

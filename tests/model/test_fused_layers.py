@@ -23,7 +23,7 @@ from tests.conftest import PROMPTS
 from tests.helpers import examples, run_greedy
 from tests.model.test_hf_models import write_checkpoint
 
-pytestmark = pytest.mark.skipif(not has_quantized_matmul(), reason="needs AVX-512 VNNI (the C quantized matmuls)")
+pytestmark = pytest.mark.skipif(not has_quantized_matmul(), reason="needs AVX-512 VNNI or AVX2 (the C quantized matmuls)")
 MAX_TOKENS = 8
 
 
@@ -153,7 +153,7 @@ def test_steps_past_the_tile_kernels_threshold_equal_eager_exactly(engine, conte
     assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
 
 
-@pytest.mark.skipif(not has_kq_matmul(), reason="needs AVX-512 VNNI (csrc/kquant.c)")
+@pytest.mark.skipif(not has_kq_matmul(), reason="needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
 def test_a_k_quant_gguf_runs_fused_and_equals_eager(model_path, tmp_path):
     """A GGUF's own K-quant codes run in the fused path too (kquant.c's kernels, both sizes)."""
     path = str(tmp_path / "q4_k_m.gguf")

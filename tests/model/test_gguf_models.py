@@ -22,7 +22,7 @@ from carpool.model.quant import QuantizedEmbedding, QuantizedLinear
 from tests.helpers import run_greedy
 from tests.model.test_quant import teacher_forced_logits
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_matmul(), reason="needs AVX-512 VNNI (csrc/kquant.c)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_matmul(), reason="needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
 CPU = torch.device("cpu")
 
 

@@ -21,7 +21,7 @@ from carpool.model import cpu_kernels, gguf_codes
 from tests.helpers import examples
 from tests.model.test_gguf_codes import TYPES, random_raw
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_matmul(), reason="needs AVX-512 VNNI (csrc/kquant.c)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_matmul(), reason="needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
 
 
 def kernel_for(codes: gguf_codes.QuantCodes) -> cpu_kernels.KQuantMatmul:

@@ -57,11 +57,11 @@ def c_kernel_reference(q: QuantizedLinear, base: nn.Linear, x: torch.Tensor) -> 
 
 @pytest.fixture(params=["C kernel", "torch kernel"])
 def kernel(request, monkeypatch) -> bool:
-    """Both quantized kernels: carpool's C one (where the CPU has AVX-512 VNNI) and torch's."""
+    """Both quantized kernels: carpool's C one (where the CPU has AVX-512 VNNI or AVX2) and torch's."""
     if request.param == "torch kernel":
         monkeypatch.setattr(cpu_kernels, "has_quantized_matmul", lambda: False)
     elif not cpu_kernels.has_quantized_matmul():
-        pytest.skip("no AVX-512 VNNI (or no C compiler) here: torch's kernels run")
+        pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here: torch's kernels run")
     return request.param == "C kernel"
 
 

@@ -75,6 +75,50 @@ static inline float sum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+static inline float max8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t sum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* quantize_group32 (below) with AVX2: the same codes, to nearest even; f and qi get the group's
+   values and codes, 8 channels a vector, for the callers' sums. */
+static inline float quantize_group32_avx2(const void *x, int64_t i, int is_bf16, int8_t *q, __m256 f[4],
+                                          __m256i qi[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int j = 0; j < 4; j++) f[j] = load8f(x, is_bf16, i + 8 * j);
+    const __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+    const float top = max8(top8);
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
+    /* 32 int32 to 32 int8 (saturating, as AVX-512's cvtsepi32), back in order: the packs
+       interleave 128-bit lanes, the permutation undoes it. */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return top / 127.f;
+}
+
+/* 8 rows (`live` of them real) of one token's output at out + i (bf16 rounded to nearest even). */
+static inline void store8(void *out, int64_t i, __m256 v, int64_t live, int is_bf16) {
+    float rows[8];
+    if (!is_bf16 && live >= 8) {
+        _mm256_storeu_ps((float *)out + i, v);
+        return;
+    }
+    _mm256_storeu_ps(rows, v);
+    for (int64_t r = 0; r < live && r < 8; r++) {
+        if (is_bf16) ((uint16_t *)out)[i + r] = float_to_bf16(rows[r]);
+        else ((float *)out)[i + r] = rows[r];
+    }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)

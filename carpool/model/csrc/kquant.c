@@ -28,8 +28,9 @@
      has AMX, the same tiles go through `tdpbf16ps` instead, 16 tokens at a time: a 256-token
      product of the default model's gate/up weight took 2.2 ms against 6.5 ms with vdpbf16ps
      (Intel Xeon with AMX, 2 threads; `carpool bench quant`, BENCHMARKS.md "Kernels").
-   Without AVX-512 VNNI `kq_supported` says 0; without AVX512-BF16 and VBMI (for the tile's byte
-   shuffles) the integer kernel runs at every size. */
+   With AVX2 and no AVX-512 (AMD Zen 1-3, Intel before Ice Lake) the integer kernel runs on ymm
+   vectors (see KQ_AVX2 below) at every size; without either, `kq_supported` says 0. Without
+   AVX512-BF16 and VBMI (for the tile's byte shuffles) the integer kernel runs at every size. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,11 +40,17 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_KQ 1
+#define KQ_AVX512 1
 #include <immintrin.h>
 #include <omp.h>
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define HAVE_KQ_GEMM 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_KQ 1
+#define KQ_AVX2 1
+#include <immintrin.h>
+#include <omp.h>
 #endif
 
 #define KQ_GROUP 32
@@ -114,6 +121,34 @@ void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *ou
 
 #ifdef HAVE_KQ
 
+/* ---------------------------------------------------------------- the integer kernel */
+
+/* The activations of one call: x ~ q * scale per group of 32, with per-half sums. */
+typedef struct {
+    int8_t *q;       /* [tokens, k] */
+    float *scale;    /* [tokens, groups] */
+    float *sum;      /* [tokens, groups, 2]: the sum of x over each half (the min term) */
+    int32_t *start;  /* [tokens, groups, 2]: -offset x the sum of q over each half, where each half's
+                        integer sum starts, which takes the codes' offset back out */
+    int64_t groups;
+} HalfActivations;
+
+static int alloc_halves(int64_t tokens, int64_t k, HalfActivations *a) {
+    a->groups = k / KQ_GROUP;
+    const int64_t values = tokens * a->groups;
+    char *mem = malloc((sizeof(float) * 3 + sizeof(int32_t) * 2) * (size_t)values + (size_t)(tokens * k));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sum = a->scale + values;
+    a->start = (int32_t *)(a->sum + 2 * values);
+    a->q = (int8_t *)(a->start + 2 * values);
+    return 1;
+}
+
+#endif
+
+#ifdef KQ_AVX512
+
 /* A group's codes, unpacked to 8 vectors of bytes (see the top). */
 static inline __attribute__((always_inline)) void group_codes(const KQuantWeight *w, int64_t bg, __m512i q[8]) {
     if (w->bits == 8) {
@@ -157,29 +192,10 @@ static inline __attribute__((always_inline)) void group_scales(const KQuantWeigh
     }
 }
 
-/* ---------------------------------------------------------------- the integer kernel */
-
-/* The activations of one call: x ~ q * scale per group of 32, with per-half sums. */
-typedef struct {
-    int8_t *q;       /* [tokens, k] */
-    float *scale;    /* [tokens, groups] */
-    float *sum;      /* [tokens, groups, 2]: the sum of x over each half (the min term) */
-    int32_t *start;  /* [tokens, groups, 2]: -offset x the sum of q over each half, where each half's
-                        integer sum starts, which takes the codes' offset back out */
-    int64_t groups;
-} HalfActivations;
-
 static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, int32_t offset,
                            HalfActivations *a) {
-    a->groups = k / KQ_GROUP;
-    const int64_t values = tokens * a->groups;
-    char *mem = malloc((sizeof(float) * 3 + sizeof(int32_t) * 2) * (size_t)values + (size_t)(tokens * k));
-    if (!mem) return 0;
-    a->scale = (float *)mem;
-    a->sum = a->scale + values;
-    a->start = (int32_t *)(a->sum + 2 * values);
-    a->q = (int8_t *)(a->start + 2 * values);
-    for (int64_t v = 0; v < values; v++) {
+    if (!alloc_halves(tokens, k, a)) return 0;
+    for (int64_t v = 0; v < tokens * a->groups; v++) {
         const int64_t i = v * KQ_GROUP;
         __m512 lo, hi;
         __m512i qlo, qhi;
@@ -257,6 +273,248 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
             }
             for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * KQ_ROWS, acc[t], n - b * KQ_ROWS, is_bf16);
         }
+    }
+    free(a.scale);
+    return 1;
+}
+
+#endif
+
+#ifdef KQ_AVX2
+
+/* AVX2 without AVX-512 (AMD Zen 1-3, Intel before Ice Lake): the integer kernel's arithmetic on
+   ymm vectors. A block of 16 rows is taken as two halves of 8 (bytes 32h .. 32h + 31 of each
+   64-byte vector, a 32-bit lane per row), and `vpdpbusd` as `vpmaddubsw` (u8 x s8 pairs to
+   saturating int16) then `vpmaddwd` by ones (int16 pairs to int32), as quant_gemv.c's AVX2 kernel
+   does. Codes of up to 6 bits times activations (-127..127) cannot saturate two maddubs results
+   summed in int16 (2 x 2 x 63 x 127 = 32,004), so each 16 channels widen twice per token. 8-bit codes
+   (0..255) could, so they are taken as signed codes q - 128 (Q8_0's own values), multiplied as
+   |q - 128| x sign(x, q - 128) (llama.cpp's trick: the magnitude is at most 128 and the signed side
+   is the activation's, which never meets -128), each product widened on its own; the 128 comes
+   back out with the offset (sum((q - o) x) = sum((q - 128) x) + (128 - o) sum(x)). The integer
+   sums are the AVX-512 kernel's exactly, the fp32 steps its steps in its order; only the
+   activations' fp32 sums over a half add in another order. On a 2-core AMD EPYC (Zen 3) a
+   1B model's gate/up weight (2048 x 16384) took, in Q4_K / Q6_K: 1.6 / 1.7 ms at one token
+   (13.5 / 15.7 GB/s of the form's bytes; the machine's fp32 sum read 16.5 GB/s) against 6.5 ms
+   for bf16 F.linear, and 175 / 224 ms at 256 tokens (100 / 77 GOP/s) against 940 ms. */
+
+#define KQ_PREFETCH 4096  /* bytes ahead: a step streams its weights from DRAM */
+#define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
+
+/* Half h of a group's codes (8 vectors of 32 bytes), 8-bit codes as q - 128. */
+static inline __attribute__((always_inline)) void half_codes(const KQuantWeight *w, int64_t bg, int h, __m256i q[8]) {
+    if (w->bits == 8) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int j = 0; j < 8; j++)
+            q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w->lo + bg * 512 + j * 64 + 32 * h)), flip);
+        return;
+    }
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    for (int j = 0; j < 4; j++) {
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(w->lo + bg * 256 + j * 64 + 32 * h));
+        q[j] = _mm256_and_si256(p, nibble);
+        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+    }
+    const int64_t planes = plane_count(w);
+    /* a mask's 32 bits to 32 bytes: byte i takes mask byte i / 8, then tests bit i % 8 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int64_t p = 0; p < planes; p++) {
+        const uint8_t *plane = w->hi + (bg * planes + p) * 64;
+        const __m256i bit = _mm256_set1_epi8((char)(16 << p));
+        for (int j = 0; j < 8; j++) {
+            int32_t mask;
+            memcpy(&mask, plane + j * 8 + 4 * h, sizeof mask);
+            const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(mask), spread);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+            q[j] = _mm256_add_epi8(q[j], _mm256_and_si256(set, bit));
+        }
+    }
+}
+
+/* group_scales for the 8 rows of half h. */
+static inline __attribute__((always_inline)) void half_scales(const KQuantWeight *w, int64_t b, int64_t g, int h,
+                                                              __m256 scale[2], __m256 bias[2]) {
+    const int64_t supers = w->k / w->super_size;
+    const int64_t at = (b * supers + g * KQ_GROUP / w->super_size) * KQ_ROWS + 8 * h;
+    const int64_t bg = b * kq_groups(w) + g;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + at)));
+    const __m256 m = w->m ? _mm256_mul_ps(_mm256_set1_ps(w->m_sign),
+                                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + at))))
+                          : _mm256_setzero_ps();
+    for (int u = 0; u < 2; u++) {
+        const int64_t sub = (bg * 2 + u) * KQ_ROWS + 8 * h;
+        scale[u] = w->sc ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64((const __m128i *)(w->sc + sub))))) : d;
+        bias[u] = w->mn ? _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                              _mm_loadl_epi64((const __m128i *)(w->mn + sub))))) : m;
+    }
+}
+
+static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, int32_t offset,
+                           HalfActivations *a) {
+    if (!alloc_halves(tokens, k, a)) return 0;
+    for (int64_t v = 0; v < tokens * a->groups; v++) {
+        __m256 f[4];
+        __m256i q[4];
+        a->scale[v] = quantize_group32_avx2(x, v * KQ_GROUP, is_bf16, a->q + v * KQ_GROUP, f, q);
+        a->sum[2 * v] = sum8(_mm256_add_ps(f[0], f[1])), a->sum[2 * v + 1] = sum8(_mm256_add_ps(f[2], f[3]));
+        a->start[2 * v] = -offset * sum8i(_mm256_add_epi32(q[0], q[1]));
+        a->start[2 * v + 1] = -offset * sum8i(_mm256_add_epi32(q[2], q[3]));
+    }
+    return 1;
+}
+
+/* The integer sum of 4 quads (channels of one half of a group) for 8 rows: `wide` codes are
+   signed (q - 128) with their magnitudes in m, narrow ones unsigned. */
+static inline __attribute__((always_inline)) __m256i quad_dots(const __m256i *q, const __m256i *m, const int32_t *x,
+                                                               const int wide) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256i xj = _mm256_set1_epi32(x[j]);
+        p[j] = wide ? _mm256_maddubs_epi16(m[j], _mm256_sign_epi8(xj, q[j])) : _mm256_maddubs_epi16(q[j], xj);
+    }
+    if (wide)
+        return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                                _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                            _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+}
+
+/* Half h of block b against `tn` tokens from t0: int_block's work on 8 rows. */
+static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w, const HalfActivations *a,
+                                                           int64_t b, int h, int64_t t0, const int tn, const int wide,
+                                                           const int has_offset, const int has_min,
+                                                           __m256 acc[HALF_TILE]) {
+    const int64_t groups = a->groups, k = w->k;
+    for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t bg = b * groups + g;
+        if (h == 0)
+            for (int64_t at = 0; at < code_bytes(w); at += 64)
+                _mm_prefetch((const char *)(w->lo + bg * code_bytes(w) + KQ_PREFETCH + at), _MM_HINT_T0);
+        __m256i q[8], m[8];
+        __m256 scale[2], bias[2];
+        half_codes(w, bg, h, q);
+        if (wide)
+            for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
+        half_scales(w, b, g, h, scale, bias);
+        for (int t = 0; t < tn; t++) {
+            const int64_t v = (t0 + t) * groups + g;
+            int32_t quads[8];
+            memcpy(quads, a->q + (t0 + t) * k + g * KQ_GROUP, sizeof quads);
+            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 4, wide);
+            if (has_offset) {
+                h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
+                h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
+            }
+            const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), scale[1],
+                                             _mm256_mul_ps(_mm256_cvtepi32_ps(h0), scale[0]));
+            acc[t] = _mm256_fmadd_ps(y, _mm256_set1_ps(a->scale[v]), acc[t]);
+            if (has_min) {
+                acc[t] = _mm256_fmadd_ps(bias[0], _mm256_set1_ps(a->sum[2 * v]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(bias[1], _mm256_set1_ps(a->sum[2 * v + 1]), acc[t]);
+            }
+        }
+    }
+}
+
+/* One token's 16 rows of block b: int_half's sums for both halves, in its order, with the block
+   streamed once and a group's activation terms read once: at one token the weights' bytes bound
+   the step, and the second pass of int_half finds them gone from L1. */
+static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *w, const HalfActivations *a,
+                                                            int64_t b, int64_t t, const int wide, const int has_offset,
+                                                            const int has_min, __m256 acc[2]) {
+    const int64_t groups = a->groups, k = w->k;
+    acc[0] = acc[1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t bg = b * groups + g, v = t * groups + g;
+        for (int64_t at = 0; at < code_bytes(w); at += 64)
+            _mm_prefetch((const char *)(w->lo + bg * code_bytes(w) + KQ_PREFETCH + at), _MM_HINT_T0);
+        int32_t quads[8];
+        memcpy(quads, a->q + t * k + g * KQ_GROUP, sizeof quads);
+        const __m256 dx = _mm256_set1_ps(a->scale[v]);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[8], m[8];
+            __m256 scale[2], bias[2];
+            half_codes(w, bg, h, q);
+            if (wide)
+                for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
+            half_scales(w, b, g, h, scale, bias);
+            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 4, wide);
+            if (has_offset) {
+                h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
+                h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
+            }
+            const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), scale[1],
+                                             _mm256_mul_ps(_mm256_cvtepi32_ps(h0), scale[0]));
+            acc[h] = _mm256_fmadd_ps(y, dx, acc[h]);
+            if (has_min) {
+                acc[h] = _mm256_fmadd_ps(bias[0], _mm256_set1_ps(a->sum[2 * v]), acc[h]);
+                acc[h] = _mm256_fmadd_ps(bias[1], _mm256_set1_ps(a->sum[2 * v + 1]), acc[h]);
+            }
+        }
+    }
+}
+
+#define INT_HALF_CASES(WIDE, OFFSET, MIN)                                              \
+    switch (tn) {                                                                      \
+        case 4: int_half(w, &a, b, h, t0, 4, WIDE, OFFSET, MIN, acc); break;           \
+        case 3: int_half(w, &a, b, h, t0, 3, WIDE, OFFSET, MIN, acc); break;           \
+        case 2: int_half(w, &a, b, h, t0, 2, WIDE, OFFSET, MIN, acc); break;           \
+        default: int_half(w, &a, b, h, t0, 1, WIDE, OFFSET, MIN, acc); break;          \
+    }
+
+static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
+    const int wide = w->bits == 8;
+    const int32_t offset = (int32_t)w->offset - (wide ? 128 : 0);
+    HalfActivations a;
+    if (!quantize_halves(x, is_bf16, tokens, w->k, offset, &a)) return 0;
+    const int64_t n = w->n;
+    const int has_offset = offset != 0, has_min = w->m != NULL;
+    if (tokens == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+            __m256 acc[2];
+            if (wide) {
+                if (has_offset) int_rows1(w, &a, b, 0, 1, 1, has_min, acc);
+                else int_rows1(w, &a, b, 0, 1, 0, has_min, acc);
+            } else if (has_offset) {
+                if (has_min) int_rows1(w, &a, b, 0, 0, 1, 1, acc);
+                else int_rows1(w, &a, b, 0, 0, 1, 0, acc);
+            } else {
+                if (has_min) int_rows1(w, &a, b, 0, 0, 0, 1, acc);
+                else int_rows1(w, &a, b, 0, 0, 0, 0, acc);
+            }
+            for (int h = 0; h < 2; h++) store8(out, b * KQ_ROWS + 8 * h, acc[h], n - b * KQ_ROWS - 8 * h, is_bf16);
+        }
+        free(a.scale);
+        return 1;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+        for (int h = 0; h < 2; h++)
+            for (int64_t t0 = 0; t0 < tokens; t0 += HALF_TILE) {
+                __m256 acc[HALF_TILE];
+                const int64_t tn = tokens - t0 < HALF_TILE ? tokens - t0 : HALF_TILE;
+                if (wide) {
+                    if (has_offset) {
+                        if (has_min) { INT_HALF_CASES(1, 1, 1) } else { INT_HALF_CASES(1, 1, 0) }
+                    } else {
+                        if (has_min) { INT_HALF_CASES(1, 0, 1) } else { INT_HALF_CASES(1, 0, 0) }
+                    }
+                } else {
+                    if (has_offset) {
+                        if (has_min) { INT_HALF_CASES(0, 1, 1) } else { INT_HALF_CASES(0, 1, 0) }
+                    } else {
+                        if (has_min) { INT_HALF_CASES(0, 0, 1) } else { INT_HALF_CASES(0, 0, 0) }
+                    }
+                }
+                const int64_t row = b * KQ_ROWS + 8 * h;
+                for (int64_t t = 0; t < tn; t++) store8(out, (t0 + t) * n + row, acc[t], n - row, is_bf16);
+            }
     }
     free(a.scale);
     return 1;

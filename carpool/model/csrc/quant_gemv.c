@@ -345,56 +345,17 @@ static int amx_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_
    (llama.cpp's trick, the other way round), each quad widened on its own and no offset taken back
    out. The outputs differ from the VNNI kernel's only in the order of the activations' fp32 sums. */
 
-static inline float max8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline int32_t sum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
-
 static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int64_t k, Activations *a) {
     if (!alloc_activations(tokens, k, a)) return 0;
     const int64_t values = tokens * a->groups;
-    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t v = 0; v < values; v++) {
-        const int64_t i = v * GROUP;
         __m256 f[4];
         __m256i q[4];
-        for (int j = 0; j < 4; j++) f[j] = load8f(x, is_bf16, i + 8 * j);
-        const __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
-                                          _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
-        const float top = max8(top8);
-        const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
-        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
-        /* 32 int32 to 32 int8 (saturating, as the VNNI kernel's cvtsepi32), back in order: the
-           packs interleave 128-bit lanes, the permutation undoes it. */
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(a->q + i),
-                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        a->scale[v] = top / 127.f;
+        a->scale[v] = quantize_group32_avx2(x, v * GROUP, is_bf16, a->q + v * GROUP, f, q);
         a->sum[v] = sum8(_mm256_add_ps(_mm256_add_ps(f[0], f[1]), _mm256_add_ps(f[2], f[3])));
         a->qsum[v] = sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     }
     return 1;
-}
-
-/* 8 rows (`live` of them real) of one token's output. */
-static inline void store8(void *out, int64_t i, __m256 v, int64_t live, int is_bf16) {
-    float rows[8];
-    if (!is_bf16 && live >= 8) {
-        _mm256_storeu_ps((float *)out + i, v);
-        return;
-    }
-    _mm256_storeu_ps(rows, v);
-    for (int64_t r = 0; r < live && r < 8; r++) {
-        if (is_bf16) ((uint16_t *)out)[i + r] = float_to_bf16(rows[r]);
-        else ((float *)out)[i + r] = rows[r];
-    }
 }
 
 /* The activation quads of a chunk of tokens, each broadcast to a ymm, and their magnitudes, built
