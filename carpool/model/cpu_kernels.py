@@ -4,9 +4,10 @@ ops that compiled graphs can hold.
 No torch headers: a C file and the system's C compiler build in about a second, where a torch
 C++ extension takes a minute. The library is cached per source, flags and CPU model
 (CARPOOL_KERNEL_CACHE, default ~/.cache/carpool/kernels), since `-march=native` code from one
-machine may not run on another. It links OpenMP by soname, so inside this process it binds to
-the libgomp torch already loaded and shares torch's threads. Without a compiler, or with
-CARPOOL_NO_KERNELS=1, callers fall back to torch ops.
+machine may not run on another (CARPOOL_KERNEL_FLAGS adds flags: `-mno-avx512f` builds the AVX2
+kernels on a CPU with AVX-512, so one machine tests both). It links OpenMP by soname, so inside
+this process it binds to the libgomp torch already loaded and shares torch's threads. Without a
+compiler, or with CARPOOL_NO_KERNELS=1, callers fall back to torch ops.
 
 Each entry point's signature is declared once, in KERNELS. ctypes' argument and return types
 are made from it, and loading the library checks it against the prototypes in csrc/kernels.h
@@ -199,7 +200,8 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), cc, *COMPILE_FLAGS, *LINK_FLAGS,
+    flags = [*COMPILE_FLAGS, *os.environ.get("CARPOOL_KERNEL_FLAGS", "").split()]
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), cc, *flags, *LINK_FLAGS,
                                      cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -208,7 +210,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
         lib = Path(tmp) / "kernels.so"
-        commands = [[cc, *COMPILE_FLAGS, f"-I{CSRC}", "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects)]
+        commands = [[cc, *flags, f"-I{CSRC}", "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects)]
         for cmd in [*commands, [cc, *map(str, objects), *LINK_FLAGS, "-o", str(lib)]]:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:

@@ -368,12 +368,14 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
 
 /* The integer sum of 4 quads (channels of one half of a group) for 8 rows: `wide` codes are
    signed (q - 128) with their magnitudes in m, narrow ones unsigned. */
-static inline __attribute__((always_inline)) __m256i quad_dots(const __m256i *q, const __m256i *m, const int32_t *x,
+static inline __attribute__((always_inline)) __m256i quad_dots(const __m256i *q, const __m256i *m, const int8_t *x,
                                                                const int wide) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[4];
     for (int j = 0; j < 4; j++) {
-        const __m256i xj = _mm256_set1_epi32(x[j]);
+        int32_t quad;
+        memcpy(&quad, x + 4 * j, sizeof quad);
+        const __m256i xj = _mm256_set1_epi32(quad);
         p[j] = wide ? _mm256_maddubs_epi16(m[j], _mm256_sign_epi8(xj, q[j])) : _mm256_maddubs_epi16(q[j], xj);
     }
     if (wide)
@@ -401,11 +403,11 @@ static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w
         if (wide)
             for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
         half_scales(w, b, g, h, scale, bias);
+#pragma GCC unroll 4  /* acc[] in registers: a loop would keep them in memory */
         for (int t = 0; t < tn; t++) {
             const int64_t v = (t0 + t) * groups + g;
-            int32_t quads[8];
-            memcpy(quads, a->q + (t0 + t) * k + g * KQ_GROUP, sizeof quads);
-            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 4, wide);
+            const int8_t *quads = a->q + (t0 + t) * k + g * KQ_GROUP;
+            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 16, wide);
             if (has_offset) {
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
@@ -433,8 +435,7 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
         const int64_t bg = b * groups + g, v = t * groups + g;
         for (int64_t at = 0; at < code_bytes(w); at += 64)
             _mm_prefetch((const char *)(w->lo + bg * code_bytes(w) + KQ_PREFETCH + at), _MM_HINT_T0);
-        int32_t quads[8];
-        memcpy(quads, a->q + t * k + g * KQ_GROUP, sizeof quads);
+        const int8_t *quads = a->q + t * k + g * KQ_GROUP;
         const __m256 dx = _mm256_set1_ps(a->scale[v]);
         for (int h = 0; h < 2; h++) {
             __m256i q[8], m[8];
@@ -443,7 +444,7 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
             if (wide)
                 for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
             half_scales(w, b, g, h, scale, bias);
-            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 4, wide);
+            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 16, wide);
             if (has_offset) {
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
