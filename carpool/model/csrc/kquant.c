@@ -286,9 +286,8 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
    ymm vectors. A block of 16 rows is taken as two halves of 8 (bytes 32h .. 32h + 31 of each
    64-byte vector, a 32-bit lane per row), and `vpdpbusd` as `vpmaddubsw` (u8 x s8 pairs to
    saturating int16) then `vpmaddwd` by ones (int16 pairs to int32), as quant_gemv.c's AVX2 kernel
-   does. Codes of up to 6 bits times activations (-127..127) cannot saturate two maddubs results
-   summed in int16 (2 x 2 x 63 x 127 = 32,004), so each 16 channels widen twice per token. 8-bit codes
-   (0..255) could, so they are taken as signed codes q - 128 (Q8_0's own values), multiplied as
+   does. Codes of up to 6 bits times activations (-127..127) stay below the saturation in int16
+   (CodeWidth says how many products add there before widening). 8-bit codes (0..255) would not, so they are taken as signed codes q - 128 (Q8_0's own values), multiplied as
    |q - 128| x sign(x, q - 128) (llama.cpp's trick: the magnitude is at most 128 and the signed side
    is the activation's, which never meets -128), each product widened on its own; the 128 comes
    back out with the offset (sum((q - o) x) = sum((q - 128) x) + (128 - o) sum(x)). The integer
@@ -366,28 +365,36 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
     return 1;
 }
 
-/* The integer sum of 4 quads (channels of one half of a group) for 8 rows: `wide` codes are
-   signed (q - 128) with their magnitudes in m, narrow ones unsigned. */
+/* How a form's codes multiply, by their width: up to 5 bits, a half-group's 4 quads add in int16
+   (4 x 2 x 31 x 127 = 31,496) and widen once; 6 bits widen in pairs (2 x 2 x 63 x 127 = 32,004);
+   8 bits (signed, see above) widen each product. */
+typedef enum { CODES_NARROW, CODES_6BIT, CODES_8BIT } CodeWidth;
+
+/* The integer sum of 4 quads (channels of one half of a group) for 8 rows: 8-bit codes are signed
+   (q - 128) with their magnitudes in m, others unsigned. */
 static inline __attribute__((always_inline)) __m256i quad_dots(const __m256i *q, const __m256i *m, const int8_t *x,
-                                                               const int wide) {
+                                                               const int width) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[4];
     for (int j = 0; j < 4; j++) {
         int32_t quad;
         memcpy(&quad, x + 4 * j, sizeof quad);
         const __m256i xj = _mm256_set1_epi32(quad);
-        p[j] = wide ? _mm256_maddubs_epi16(m[j], _mm256_sign_epi8(xj, q[j])) : _mm256_maddubs_epi16(q[j], xj);
+        p[j] = width == CODES_8BIT ? _mm256_maddubs_epi16(m[j], _mm256_sign_epi8(xj, q[j]))
+                                   : _mm256_maddubs_epi16(q[j], xj);
     }
-    if (wide)
+    if (width == CODES_8BIT)
         return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
                                 _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                            _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    if (width == CODES_6BIT)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
 }
 
 /* Half h of block b against `tn` tokens from t0: int_block's work on 8 rows. */
 static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w, const HalfActivations *a,
-                                                           int64_t b, int h, int64_t t0, const int tn, const int wide,
+                                                           int64_t b, int h, int64_t t0, const int tn, const int width,
                                                            const int has_offset, const int has_min,
                                                            __m256 acc[HALF_TILE]) {
     const int64_t groups = a->groups, k = w->k;
@@ -400,14 +407,14 @@ static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w
         __m256i q[8], m[8];
         __m256 scale[2], bias[2];
         half_codes(w, bg, h, q);
-        if (wide)
+        if (width == CODES_8BIT)
             for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
         half_scales(w, b, g, h, scale, bias);
 #pragma GCC unroll 4  /* acc[] in registers: a loop would keep them in memory */
         for (int t = 0; t < tn; t++) {
             const int64_t v = (t0 + t) * groups + g;
             const int8_t *quads = a->q + (t0 + t) * k + g * KQ_GROUP;
-            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 16, wide);
+            __m256i h0 = quad_dots(q, m, quads, width), h1 = quad_dots(q + 4, m + 4, quads + 16, width);
             if (has_offset) {
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
@@ -427,7 +434,7 @@ static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w
    streamed once and a group's activation terms read once: at one token the weights' bytes bound
    the step, and the second pass of int_half finds them gone from L1. */
 static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *w, const HalfActivations *a,
-                                                            int64_t b, int64_t t, const int wide, const int has_offset,
+                                                            int64_t b, int64_t t, const int width, const int has_offset,
                                                             const int has_min, __m256 acc[2]) {
     const int64_t groups = a->groups, k = w->k;
     acc[0] = acc[1] = _mm256_setzero_ps();
@@ -441,10 +448,10 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
             __m256i q[8], m[8];
             __m256 scale[2], bias[2];
             half_codes(w, bg, h, q);
-            if (wide)
+            if (width == CODES_8BIT)
                 for (int j = 0; j < 8; j++) m[j] = _mm256_abs_epi8(q[j]);
             half_scales(w, b, g, h, scale, bias);
-            __m256i h0 = quad_dots(q, m, quads, wide), h1 = quad_dots(q + 4, m + 4, quads + 16, wide);
+            __m256i h0 = quad_dots(q, m, quads, width), h1 = quad_dots(q + 4, m + 4, quads + 16, width);
             if (has_offset) {
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
@@ -460,59 +467,192 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
     }
 }
 
-#define INT_HALF_CASES(WIDE, OFFSET, MIN)                                              \
-    switch (tn) {                                                                      \
-        case 4: int_half(w, &a, b, h, t0, 4, WIDE, OFFSET, MIN, acc); break;           \
-        case 3: int_half(w, &a, b, h, t0, 3, WIDE, OFFSET, MIN, acc); break;           \
-        case 2: int_half(w, &a, b, h, t0, 2, WIDE, OFFSET, MIN, acc); break;           \
-        default: int_half(w, &a, b, h, t0, 1, WIDE, OFFSET, MIN, acc); break;          \
+#define FORM(WIDTH, OFFSET, MIN) ((WIDTH) * 4 + (OFFSET) * 2 + (MIN))  /* a form's index */
+
+/* From HALF_TILE + 1 tokens, codes of up to 6 bits take another form of the same sums, as
+   quant_gemv.c's int4 does on AVX2: the activations as unsigned q + 128 and the codes as signed
+   c - centre (centre = 2^(bits - 1)), unpacked with the block's factors once per call and block
+   into scratch. A token's broadcast quads then serve both halves of the block, the codes are
+   memory operands, not registers, and no code is unpacked per token tile.
+   sum((q + 128)(c - centre)) - 128 sum(c - centre) = sum(q (c - centre)), and the activations'
+   starts take the offset's rest out, -(o - centre) sum(q): the integer sums above, exactly, so the
+   outputs are the same bit for bit. The int16 pairs cannot saturate: 4 x 2 x 255 x 16 = 32,640
+   up to 5 bits, 2 x 2 x 255 x 32 = 32,640 at 6. */
+typedef struct {
+    __m256i *codes;       /* [groups, 8 quads, 2 row halves]: c - centre */
+    int32_t *offset;      /* [groups, 2 channel halves, 16 rows]: 128 sum(c - centre) */
+    float *scale, *bias;  /* [groups, 2 channel halves, 16 rows]: half_scales' */
+} UnpackedBlock;
+
+static const size_t UNPACKED_GROUP = 16 * sizeof(__m256i) + 2 * KQ_ROWS * (sizeof(int32_t) + 2 * sizeof(float));
+
+static void unpack_block(const KQuantWeight *w, int64_t b, int64_t groups, const UnpackedBlock *u) {
+    const __m256i centre = _mm256_set1_epi8((char)(1 << (w->bits - 1)));
+    const __m256i unit = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < 2; h++) {
+            __m256i q[8];
+            __m256 scale[2], bias[2];
+            half_codes(w, b * groups + g, h, q);
+            half_scales(w, b, g, h, scale, bias);
+            for (int c = 0; c < 2; c++) {
+                __m256i pairs = _mm256_setzero_si256();
+                for (int j = 4 * c; j < 4 * c + 4; j++) {
+                    const __m256i signed_codes = _mm256_sub_epi8(q[j], centre);
+                    u->codes[g * 16 + 2 * j + h] = signed_codes;
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(unit, signed_codes));
+                }
+                const int64_t at = (g * 2 + c) * KQ_ROWS + 8 * h;
+                _mm256_storeu_si256((__m256i *)(u->offset + at), _mm256_slli_epi32(_mm256_madd_epi16(pairs, ones), 7));
+                _mm256_storeu_ps(u->scale + at, scale[c]);
+                _mm256_storeu_ps(u->bias + at, bias[c]);
+            }
+        }
+}
+
+/* Every token's 16 rows from row0 of one unpacked block; `flipped` holds the activations as q + 128. */
+static inline __attribute__((always_inline)) void block_tokens(const UnpackedBlock *u, const HalfActivations *a,
+                                                               const uint8_t *flipped, int64_t k, int64_t tokens,
+                                                               void *out, int64_t n, int64_t row0, int is_bf16,
+                                                               const int width, const int has_offset,
+                                                               const int has_min) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t t = 0; t < tokens; t++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t g = 0; g < a->groups; g++) {
+            const int64_t v = t * a->groups + g;
+            const uint8_t *quads = flipped + t * k + g * KQ_GROUP;
+            const __m256i *wq = u->codes + g * 16;
+            __m256i dot[2][2];  /* [channel half][row half] */
+            for (int c = 0; c < 2; c++) {
+                __m256i p[4][2];
+                for (int j = 0; j < 4; j++) {
+                    int32_t quad;
+                    memcpy(&quad, quads + 4 * (4 * c + j), sizeof quad);
+                    const __m256i x = _mm256_set1_epi32(quad);
+                    for (int h = 0; h < 2; h++) p[j][h] = _mm256_maddubs_epi16(x, wq[2 * (4 * c + j) + h]);
+                }
+                for (int h = 0; h < 2; h++) {
+                    const int64_t at = (g * 2 + c) * KQ_ROWS + 8 * h;
+                    __m256i d = width == CODES_6BIT
+                        ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0][h], p[1][h]), ones),
+                                           _mm256_madd_epi16(_mm256_add_epi16(p[2][h], p[3][h]), ones))
+                        : _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0][h], p[1][h]),
+                                                             _mm256_add_epi16(p[2][h], p[3][h])), ones);
+                    d = _mm256_sub_epi32(d, _mm256_loadu_si256((const __m256i *)(u->offset + at)));
+                    if (has_offset) d = _mm256_add_epi32(d, _mm256_set1_epi32(a->start[2 * v + c]));
+                    dot[c][h] = d;
+                }
+            }
+            const __m256 dx = _mm256_set1_ps(a->scale[v]);
+            __m256 *acc[2] = {&acc0, &acc1};
+            for (int h = 0; h < 2; h++) {
+                const int64_t at0 = g * 2 * KQ_ROWS + 8 * h, at1 = at0 + KQ_ROWS;
+                const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][h]), _mm256_loadu_ps(u->scale + at1),
+                                                 _mm256_mul_ps(_mm256_cvtepi32_ps(dot[0][h]),
+                                                               _mm256_loadu_ps(u->scale + at0)));
+                *acc[h] = _mm256_fmadd_ps(y, dx, *acc[h]);
+                if (has_min) {
+                    *acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(u->bias + at0), _mm256_set1_ps(a->sum[2 * v]), *acc[h]);
+                    *acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(u->bias + at1), _mm256_set1_ps(a->sum[2 * v + 1]),
+                                              *acc[h]);
+                }
+            }
+        }
+        store8(out, t * n + row0, acc0, n - row0, is_bf16);
+        store8(out, t * n + row0 + 8, acc1, n - row0 - 8, is_bf16);
     }
+}
+
+/* The prefill form for codes of up to 6 bits (see above); 0 when out of memory. */
+static int unpacked_matmul(const KQuantWeight *w, const HalfActivations *a, void *out, int64_t tokens, int is_bf16,
+                           int num_threads, int form) {
+    const int64_t groups = a->groups, k = w->k, n = w->n;
+    const size_t per_thread = (size_t)groups * UNPACKED_GROUP;
+    char *scratch = aligned_alloc(32, per_thread * (size_t)num_threads);
+    uint8_t *flipped = malloc((size_t)(tokens * k));
+    if (!scratch || !flipped) {
+        free(scratch), free(flipped);
+        return 0;
+    }
+    for (int64_t i = 0; i < tokens * k; i++) flipped[i] = (uint8_t)a->q[i] ^ 0x80;
+#pragma omp parallel num_threads(num_threads)
+    {
+        char *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+        const size_t rows = (size_t)groups * 2 * KQ_ROWS;
+        const UnpackedBlock u = {(__m256i *)mine, (int32_t *)(mine + groups * 16 * sizeof(__m256i)),
+                                 (float *)(mine + groups * 16 * sizeof(__m256i) + rows * sizeof(int32_t)),
+                                 (float *)(mine + groups * 16 * sizeof(__m256i) + rows * (sizeof(int32_t) + sizeof(float)))};
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+            unpack_block(w, b, groups, &u);
+            switch (form) {
+#define TOKENS_CASE(WIDTH, OFFSET, MIN)                                                                      \
+                case FORM(WIDTH, OFFSET, MIN):                                                               \
+                    block_tokens(&u, a, flipped, k, tokens, out, n, b * KQ_ROWS, is_bf16, WIDTH, OFFSET, MIN); \
+                    break;
+                TOKENS_CASE(0, 0, 0) TOKENS_CASE(0, 0, 1) TOKENS_CASE(0, 1, 0) TOKENS_CASE(0, 1, 1)
+                TOKENS_CASE(1, 0, 0) TOKENS_CASE(1, 0, 1) TOKENS_CASE(1, 1, 0) TOKENS_CASE(1, 1, 1)
+#undef TOKENS_CASE
+            }
+        }
+    }
+    free(scratch), free(flipped);
+    return 1;
+}
+
+/* Every form (code width, offset or not, min term or not) compiled on its own, by FORM's index. */
+#define EACH_FORM(X) X(0, 0, 0) X(0, 0, 1) X(0, 1, 0) X(0, 1, 1) X(1, 0, 0) X(1, 0, 1) X(1, 1, 0) X(1, 1, 1) \
+                     X(2, 0, 0) X(2, 0, 1) X(2, 1, 0) X(2, 1, 1)
+#define ROWS1_CASE(WIDTH, OFFSET, MIN) \
+    case FORM(WIDTH, OFFSET, MIN): int_rows1(w, a, b, t, WIDTH, OFFSET, MIN, acc); break;
+#define HALF_CASE(WIDTH, OFFSET, MIN)                                                     \
+    case FORM(WIDTH, OFFSET, MIN):                                                        \
+        switch (tn) {                                                                     \
+            case 4: int_half(w, a, b, h, t0, 4, WIDTH, OFFSET, MIN, acc); break;          \
+            case 3: int_half(w, a, b, h, t0, 3, WIDTH, OFFSET, MIN, acc); break;          \
+            case 2: int_half(w, a, b, h, t0, 2, WIDTH, OFFSET, MIN, acc); break;          \
+            default: int_half(w, a, b, h, t0, 1, WIDTH, OFFSET, MIN, acc); break;         \
+        }                                                                                 \
+        break;
+
+static void rows1_any(const KQuantWeight *w, const HalfActivations *a, int64_t b, int64_t t, int form,
+                      __m256 acc[2]) {
+    switch (form) { EACH_FORM(ROWS1_CASE) }
+}
+
+static void half_any(const KQuantWeight *w, const HalfActivations *a, int64_t b, int h, int64_t t0, int64_t tn,
+                     int form, __m256 acc[HALF_TILE]) {
+    switch (form) { EACH_FORM(HALF_CASE) }
+}
 
 static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
-    const int wide = w->bits == 8;
-    const int32_t offset = (int32_t)w->offset - (wide ? 128 : 0);
+    const int width = w->bits == 8 ? CODES_8BIT : w->bits == 6 ? CODES_6BIT : CODES_NARROW;
+    const int32_t offset = (int32_t)w->offset - (width == CODES_8BIT ? 128 : 0);
+    const int unpacked = width != CODES_8BIT && tokens > HALF_TILE;
+    const int32_t start_offset = unpacked ? (int32_t)w->offset - (1 << (w->bits - 1)) : offset;
     HalfActivations a;
-    if (!quantize_halves(x, is_bf16, tokens, w->k, offset, &a)) return 0;
+    if (!quantize_halves(x, is_bf16, tokens, w->k, start_offset, &a)) return 0;
     const int64_t n = w->n;
-    const int has_offset = offset != 0, has_min = w->m != NULL;
-    if (tokens == 1) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
-            __m256 acc[2];
-            if (wide) {
-                if (has_offset) int_rows1(w, &a, b, 0, 1, 1, has_min, acc);
-                else int_rows1(w, &a, b, 0, 1, 0, has_min, acc);
-            } else if (has_offset) {
-                if (has_min) int_rows1(w, &a, b, 0, 0, 1, 1, acc);
-                else int_rows1(w, &a, b, 0, 0, 1, 0, acc);
-            } else {
-                if (has_min) int_rows1(w, &a, b, 0, 0, 0, 1, acc);
-                else int_rows1(w, &a, b, 0, 0, 0, 0, acc);
-            }
-            for (int h = 0; h < 2; h++) store8(out, b * KQ_ROWS + 8 * h, acc[h], n - b * KQ_ROWS - 8 * h, is_bf16);
-        }
+    const int form = FORM(width, start_offset != 0, w->m != NULL);
+    if (unpacked) {
+        const int ok = unpacked_matmul(w, &a, out, tokens, is_bf16, num_threads, form);
         free(a.scale);
-        return 1;
+        return ok;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+        if (tokens == 1) {
+            __m256 acc[2];
+            rows1_any(w, &a, b, 0, form, acc);
+            for (int h = 0; h < 2; h++) store8(out, b * KQ_ROWS + 8 * h, acc[h], n - b * KQ_ROWS - 8 * h, is_bf16);
+            continue;
+        }
         for (int h = 0; h < 2; h++)
             for (int64_t t0 = 0; t0 < tokens; t0 += HALF_TILE) {
                 __m256 acc[HALF_TILE];
                 const int64_t tn = tokens - t0 < HALF_TILE ? tokens - t0 : HALF_TILE;
-                if (wide) {
-                    if (has_offset) {
-                        if (has_min) { INT_HALF_CASES(1, 1, 1) } else { INT_HALF_CASES(1, 1, 0) }
-                    } else {
-                        if (has_min) { INT_HALF_CASES(1, 0, 1) } else { INT_HALF_CASES(1, 0, 0) }
-                    }
-                } else {
-                    if (has_offset) {
-                        if (has_min) { INT_HALF_CASES(0, 1, 1) } else { INT_HALF_CASES(0, 1, 0) }
-                    } else {
-                        if (has_min) { INT_HALF_CASES(0, 0, 1) } else { INT_HALF_CASES(0, 0, 0) }
-                    }
-                }
+                half_any(w, &a, b, h, t0, tn, form, acc);
                 const int64_t row = b * KQ_ROWS + 8 * h;
                 for (int64_t t = 0; t < tn; t++) store8(out, (t0 + t) * n + row, acc[t], n - row, is_bf16);
             }
