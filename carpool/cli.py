@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "token count; single-stream decode per --quantization mode")
     q.add_argument("--tokens", type=opts.int_list, default=[1, 2, 4, 16, 64, 256, 512])
     q.add_argument("--rounds", type=opts.positive_int, default=3, help="best of this many passes per point")
+    q.add_argument("--kernels", type=opts.str_list, default=None,
+                   help="the kernels to time, e.g. 'bf16 F.linear,int4 C,Q4_K C' (default: all; torch's "
+                        "int8/int4 take minutes a shape where the CPU lacks AVX-512)")
     q.add_argument("--modes", type=opts.str_list, default=["none", "int8", "int4"],
                    help="--quantization modes whose single-stream decode is timed")
     q.add_argument("--new-tokens", type=int, default=64, help="decode length per mode (0: skip)")

@@ -51,8 +51,8 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 
 
 def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch.dtype,
-                  generator: torch.Generator) -> dict[str, list]:
-    """`copies` random weights of one shape, each prepared for every kernel."""
+                  generator: torch.Generator, only: tuple[str, ...] = KERNELS) -> dict[str, list]:
+    """`copies` random weights of one shape, each prepared for every kernel (of `only`)."""
     kernels: dict[str, list] = {k: [] for k in KERNELS}
     for _ in range(copies):
         linear = nn.Linear(in_features, out_features, bias=False)
@@ -76,7 +76,7 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
             kernels["bf16 packed"].append(PackedLinear(dense))
         if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() and in_features % 32 == 0:
             kernels["bf16 tiles"].append(TiledLinear(dense))
-    return {k: v for k, v in kernels.items() if v}
+    return {k: v for k, v in kernels.items() if v and k in only}
 
 
 def time_shape(kernels: dict[str, list], in_features: int, tokens: int, dtype: torch.dtype,
@@ -93,12 +93,13 @@ def time_shape(kernels: dict[str, list], in_features: int, tokens: int, dtype: t
     return best
 
 
-def kernel_table(cfg: ModelConfig, tokens: list[int], rounds: int, dtype: torch.dtype, log=print) -> list[dict]:
+def kernel_table(cfg: ModelConfig, tokens: list[int], rounds: int, dtype: torch.dtype, log=print,
+                 only: tuple[str, ...] = KERNELS) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():
         for name, (k, n, copies) in model_shapes(cfg).items():
-            kernels = layer_kernels(k, n, copies, dtype, gen)
+            kernels = layer_kernels(k, n, copies, dtype, gen, only)
             for m in tokens:
                 t = time_shape(kernels, k, m, dtype, rounds)
                 rows.append({"shape": name, "in": k, "out": n, "tokens": m,
@@ -139,6 +140,10 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
 
     from carpool.model.quant import QUANTIZATIONS
 
+    only = tuple(args.kernels or KERNELS)
+    unknown = [k for k in only if k not in KERNELS]
+    if unknown:
+        raise ValueError(f"--kernels: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(KERNELS)}")
     for mode in args.modes:
         if mode not in QUANTIZATIONS:
             raise ValueError(f"--modes: unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
@@ -152,7 +157,7 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
     cpu = OtherCpu()
     start = time.perf_counter()
     print(f"model {Path(config.model).name}; dtype {dtype}; threads {torch.get_num_threads()}")
-    rows = kernel_table(cfg, args.tokens, args.rounds, dtype)
+    rows = kernel_table(cfg, args.tokens, args.rounds, dtype, only=only)
     config.kv_cache_memory = config.kv_cache_memory or 256 << 20
     decode = decode_per_mode(config, args.modes, args.new_tokens, args.rounds) if args.new_tokens else {}
     result = {"model": config.model, "dtype": str(dtype), "threads": torch.get_num_threads(),
