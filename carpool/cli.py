@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokens", type=opts.int_list, default=[1, 2, 4, 16, 64, 256, 512])
     q.add_argument("--rounds", type=opts.positive_int, default=3, help="best of this many passes per point")
     q.add_argument("--kernels", type=opts.str_list, default=None,
-                   help="the kernels to time, e.g. 'bf16 F.linear,int4 C,Q4_K C' (default: all; torch's "
+                   help="the kernels to time beside bf16 F.linear, e.g. 'int4 C,Q4_K C' (default: all; torch's "
                         "int8/int4 take minutes a shape where the CPU lacks AVX-512)")
     q.add_argument("--modes", type=opts.str_list, default=["none", "int8", "int4"],
                    help="--quantization modes whose single-stream decode is timed")

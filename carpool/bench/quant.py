@@ -140,7 +140,7 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
 
     from carpool.model.quant import QUANTIZATIONS
 
-    only = tuple(args.kernels or KERNELS)
+    only = tuple(dict.fromkeys(["bf16 F.linear", *(args.kernels or KERNELS)]))  # the reference always runs
     unknown = [k for k in only if k not in KERNELS]
     if unknown:
         raise ValueError(f"--kernels: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(KERNELS)}")

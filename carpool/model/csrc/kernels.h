@@ -7,6 +7,7 @@
 #define CARPOOL_KERNELS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_float(uint16_t h) {
@@ -104,6 +105,15 @@ static inline float quantize_group32_avx2(const void *x, int64_t i, int is_bf16,
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     return top / 127.f;
+}
+
+/* The activations' int8 codes as unsigned q + 128 (`vpmaddubsw` takes its unsigned operand first), in
+   a new buffer; NULL when out of memory. */
+static inline uint8_t *flipped_codes(const int8_t *q, int64_t count) {
+    uint8_t *flipped = malloc((size_t)count);
+    if (flipped)
+        for (int64_t i = 0; i < count; i++) flipped[i] = (uint8_t)q[i] ^ 0x80;
+    return flipped;
 }
 
 /* 8 rows (`live` of them real) of one token's output at out + i (bf16 rounded to nearest even). */

@@ -293,9 +293,9 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
    back out with the offset (sum((q - o) x) = sum((q - 128) x) + (128 - o) sum(x)). The integer
    sums are the AVX-512 kernel's exactly, the fp32 steps its steps in its order; only the
    activations' fp32 sums over a half add in another order. On a 2-core AMD EPYC (Zen 3) a
-   1B model's gate/up weight (2048 x 16384) took, in Q4_K / Q6_K: 1.6 / 1.7 ms at one token
-   (13.5 / 15.7 GB/s of the form's bytes; the machine's fp32 sum read 16.5 GB/s) against 6.5 ms
-   for bf16 F.linear, and 175 / 224 ms at 256 tokens (100 / 77 GOP/s) against 940 ms. */
+   1B model's gate/up weight (2048 x 16384) took, in Q4_K / Q6_K: 1.25 / 1.68 ms at one token
+   against 4.43 ms for bf16 F.linear, and 92 / 79 ms at 256 tokens against 835 ms in bf16 and
+   177 ms in fp32 (`carpool bench quant`, BENCHMARKS.md "Kernels"). */
 
 #define KQ_PREFETCH 4096  /* bytes ahead: a step streams its weights from DRAM */
 #define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
@@ -570,12 +570,11 @@ static int unpacked_matmul(const KQuantWeight *w, const HalfActivations *a, void
     const int64_t groups = a->groups, k = w->k, n = w->n;
     const size_t per_thread = (size_t)groups * UNPACKED_GROUP;
     char *scratch = aligned_alloc(32, per_thread * (size_t)num_threads);
-    uint8_t *flipped = malloc((size_t)(tokens * k));
+    uint8_t *flipped = flipped_codes(a->q, tokens * k);
     if (!scratch || !flipped) {
         free(scratch), free(flipped);
         return 0;
     }
-    for (int64_t i = 0; i < tokens * k; i++) flipped[i] = (uint8_t)a->q[i] ^ 0x80;
 #pragma omp parallel num_threads(num_threads)
     {
         char *mine = scratch + per_thread * (size_t)omp_get_thread_num();

@@ -596,12 +596,11 @@ static int avx2_int4_tokens(const uint8_t *codes, const uint16_t *scale, const u
                             void *out, int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads) {
     const size_t per_thread = (size_t)a->groups * UNPACKED_INT4_GROUP;
     char *scratch = aligned_alloc(32, per_thread * (size_t)num_threads);
-    uint8_t *flipped = malloc((size_t)(tokens * k));
+    uint8_t *flipped = flipped_codes(a->q, tokens * k);
     if (!scratch || !flipped) {
         free(scratch), free(flipped);
         return 0;
     }
-    for (int64_t i = 0; i < tokens * k; i++) flipped[i] = (uint8_t)a->q[i] ^ 0x80;
 #pragma omp parallel num_threads(num_threads)
     {
         char *mine = scratch + per_thread * (size_t)omp_get_thread_num();
