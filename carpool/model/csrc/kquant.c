@@ -287,9 +287,10 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
    64-byte vector, a 32-bit lane per row), and `vpdpbusd` as `vpmaddubsw` (u8 x s8 pairs to
    saturating int16) then `vpmaddwd` by ones (int16 pairs to int32), as quant_gemv.c's AVX2 kernel
    does. Codes of up to 6 bits times activations (-127..127) stay below the saturation in int16
-   (CodeWidth says how many products add there before widening). 8-bit codes (0..255) would not, so they are taken as signed codes q - 128 (Q8_0's own values), multiplied as
-   |q - 128| x sign(x, q - 128) (llama.cpp's trick: the magnitude is at most 128 and the signed side
-   is the activation's, which never meets -128), each product widened on its own; the 128 comes
+   (CodeWidth says how many products add there before widening). 8-bit codes (0..255) would not,
+   so they are taken as signed codes q - 128 (Q8_0's own values), multiplied as |q - 128| x
+   sign(x, q - 128) (llama.cpp's trick: the magnitude is at most 128 and the signed side is the
+   activation's, which never meets -128), each product widened on its own; the 128 comes
    back out with the offset (sum((q - o) x) = sum((q - 128) x) + (128 - o) sum(x)). The integer
    sums are the AVX-512 kernel's exactly, the fp32 steps its steps in its order; only the
    activations' fp32 sums over a half add in another order. On a 2-core AMD EPYC (Zen 3) a
@@ -627,9 +628,10 @@ static void half_any(const KQuantWeight *w, const HalfActivations *a, int64_t b,
 
 static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
     const int width = w->bits == 8 ? CODES_8BIT : w->bits == 6 ? CODES_6BIT : CODES_NARROW;
-    const int32_t offset = (int32_t)w->offset - (width == CODES_8BIT ? 128 : 0);
     const int unpacked = width != CODES_8BIT && tokens > HALF_TILE;
-    const int32_t start_offset = unpacked ? (int32_t)w->offset - (1 << (w->bits - 1)) : offset;
+    /* the offset the activations' starts take out: relative to the signed codes' zero, 128 for
+       8-bit codes and the centre for the unpacked form */
+    const int32_t start_offset = (int32_t)w->offset - (width == CODES_8BIT ? 128 : unpacked ? 1 << (w->bits - 1) : 0);
     HalfActivations a;
     if (!quantize_halves(x, is_bf16, tokens, w->k, start_offset, &a)) return 0;
     const int64_t n = w->n;
