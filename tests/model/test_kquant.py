@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -143,7 +148,8 @@ def test_wrapper_refuses_mismatched_tensors():
 
 
 def _cpu_flags() -> set[str]:
-    for line in open("/proc/cpuinfo"):
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
@@ -155,10 +161,6 @@ def _cpu_flags() -> set[str]:
 def test_the_avx2_kernels_pass_these_tests_on_an_avx512_cpu(tmp_path):
     """CPUs without AVX-512 (AMD Zen 1-3) run other code: build it here too (-mno-avx512f) and
     run this file's integer-kernel tests and the int4/int8 ones against it."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "CARPOOL_KERNEL_FLAGS": "-mno-avx512f -mno-amx-tile", "CARPOOL_KERNEL_CACHE": str(tmp_path)}
     probe = ("from carpool.model import cpu_kernels as k; "
              "print(k.has_kq_matmul(), k.has_kq_tiles(), k.has_quantized_matmul(), k.has_amx())")
@@ -167,5 +169,5 @@ def test_the_avx2_kernels_pass_these_tests_on_an_avx512_cpu(tmp_path):
     tests = ["tests/model/test_kquant.py::test_integer_kernel_is_dequantized_weights_times_int8_activations",
              "tests/model/test_kquant.py::test_both_kernels_agree_across_the_switch", "tests/model/test_quant.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                         capture_output=True, text=True, check=False)
+                         cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
