@@ -1,6 +1,6 @@
 """GGUF quantized tensors as codes and scales ("kq" form), and their packing for csrc/kquant.c.
 
-A GGUF Q4_0 .. Q6_K tensor decodes into one canonical form, the one csrc/kquant.c computes:
+A GGUF Q4_0 .. Q6_K or IQ4_NL / IQ4_XS tensor decodes into one canonical form, the one csrc/kquant.c computes:
 
     w[r, c] = (float(d[r, c // S]) * sc[r, c // 16]) * (q[r, c] - offset) - float(dmin[r, c // S]) * mn[r, c // 16]
 
@@ -14,7 +14,9 @@ codes, never from a requantized copy.
 Per type (bits, offset, S; sc, mn): Q4_0 4, 8, 32; Q4_1 4, 0, 32 (dmin = -m); Q5_0 5, 16, 32;
 Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4); Q3_K 4, 4, 256
 (codes 0..7: low 2 bits + 4 * hmask bit; scale - 32); Q4_K / Q5_K 4 / 5, 0, 256 (6-bit scale,
-6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales).
+6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales); IQ4_NL 8, 128, 32 and IQ4_XS 8, 128, 256
+(6-bit scale - 32, per 32). The IQ4 types' 4-bit codes index a table of int8 values (IQ4_VALUES),
+so they are held as those values' 8-bit codes: exact, at about twice their size in the file.
 
 Decoding and packing are numpy operations over the whole tensor, never Python loops over rows
 or blocks: they are the reference. A model's weights load another way, about 3x faster (numbers
@@ -177,6 +179,25 @@ def _q8_0(b: np.ndarray):
     return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), None, None, _f16(b, 0), None
 
 
+# IQ4_NL / IQ4_XS's 4-bit codes index this table (gguf.quants.IQ4_NL.kvalues): the value a code
+# stands for is an int8, so it is held as an 8-bit code, value + 128, like Q8_0's.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+_IQ4_CODES = (IQ4_VALUES + 128).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray):
+    return _IQ4_CODES[_nibbles(b[:, 2:18]).reshape(len(b), 32)], None, None, _f16(b, 0), None
+
+
+def _iq4_xs(b: np.ndarray):
+    """d, scales_h (uint16: 2 high bits per 32 channels), scales_l[4] (4 low bits each), qs[128]."""
+    high = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [blocks, 8]
+    low = _nibbles(b[:, 4:8]).transpose(0, 2, 1).reshape(len(b), 8)  # byte i: sub-blocks 2i, 2i + 1
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    q = _IQ4_CODES[_nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(len(b), 256)]
+    return q, np.repeat(sc, 2, axis=1), None, _f16(b, 0), None
+
+
 # type: (decoder, form)
 _TYPES = {
     T.Q8_0: (_q8_0, Form(8, 128, 32, sc=False, mn=False, dmin=False)),
@@ -189,6 +210,8 @@ _TYPES = {
     T.Q4_K: (lambda b: _q45_k(b, False), Form(4, 0, 256, sc=True, mn=True, dmin=True)),
     T.Q5_K: (lambda b: _q45_k(b, True), Form(5, 0, 256, sc=True, mn=True, dmin=True)),
     T.Q6_K: (_q6_k, Form(6, 32, 256, sc=True, mn=False, dmin=False)),
+    T.IQ4_NL: (_iq4_nl, Form(8, 128, 32, sc=False, mn=False, dmin=False)),
+    T.IQ4_XS: (_iq4_xs, Form(8, 128, 256, sc=True, mn=False, dmin=False)),
 }
 SUPPORTED = frozenset(_TYPES)
 

@@ -14,13 +14,18 @@ from its sub-block's range in one step):
     largest magnitude (so v itself is a code, -n), n = 4 or 32; d = (scale of largest magnitude) / -L'
     (L' = 32, 128), sub-scales rounded and clipped to 6-bit / int8, codes round(w / (d sc)) clipped.
 
+  * IQ4_NL, IQ4_XS (w = d sc t[q], t the 16 int8 values of gguf_codes.IQ4_VALUES): the first step
+    of llama.cpp's quantize_row_iq4_nl_impl, without its search over scales. Per 32 channels the
+    scale v / -127 (v the value of largest magnitude, so v is t[0] times it); IQ4_NL stores it as
+    d, IQ4_XS as d = (scale of largest magnitude) / -32 and sc = its rounding to -32 .. 31. Each
+    code is the table entry nearest w / (d sc).
+
 Every rounding is round-half-even (llama.cpp's nearest_int), d and dmin are fp16. The legacy types
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are gguf-py's own quantizers.
 
-`tensor_type` follows llama.cpp's llama_tensor_get_type (src/llama-quant.cpp) for dense models;
-its rules for 8-expert models, Falcon and 70B Llamas are left out. One change: where a row length is
-not a multiple of 256, llama.cpp gives Q2_K / Q3_K tensors IQ4_NL, which gguf-py cannot write nor
-carpool read; they get Q4_0 here, the 4-bit type llama.cpp falls back to for its ternary types.
+`tensor_type` follows llama.cpp's llama_tensor_get_type (src/llama-quant.cpp) for dense models
+without an importance matrix; its rules for 8-expert models, Falcon and 70B Llamas are left out.
+Where a row length is not a multiple of 256 it falls back as llama.cpp does (tensor_type_fallback).
 """
 
 from __future__ import annotations
@@ -132,10 +137,43 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Blocks [B, S, 32] and their steps [B, S] -> the index of the table entry nearest x / step,
+    packed 16 bytes per 32 channels (channel j in byte j's low nibble, j + 16 in its high one)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(step[..., None] != 0, x / step[..., None], 0)
+    q = np.abs(scaled[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(len(x), -1)
+
+
+def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    x = blocks.reshape(len(blocks), 1, 32)
+    d = (_largest(x[:, 0]) / np.float32(IQ4_VALUES[0])).astype(np.float16)
+    return np.concatenate([_fp16_bytes(d), _iq4_codes(x, d.astype(np.float32)[:, None])], axis=1)
+
+
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    x = blocks.reshape(len(blocks), 8, 32)
+    scale = _largest(x) / np.float32(IQ4_VALUES[0])  # [B, 8]
+    d = (_largest(scale) / np.float32(-32)).astype(np.float16)
+    d32 = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[:, None] != 0, np.clip(np.rint(scale / d32[:, None]), -32, 31), 0).astype(np.int16)
+    codes = _iq4_codes(x, d32[:, None] * sc)
+    s = (sc + 32).astype(np.uint8)  # 0 .. 63: 4 low bits in scales_l, 2 high in scales_h
+    high = ((s >> 4).astype(np.uint16) << np.arange(0, 16, 2, dtype=np.uint16)).sum(axis=1, dtype=np.uint16)
+    scales_l = (s[:, 0::2] & 15) | ((s[:, 1::2] & 15) << 4)
+    return np.concatenate([_fp16_bytes(d), high.astype("<u2").view(np.uint8).reshape(-1, 2), scales_l, codes],
+                          axis=1)
+
+
 _K_ENCODERS = {T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: lambda b: _q45_k(b, 4), T.Q5_K: lambda b: _q45_k(b, 5),
-               T.Q6_K: _q6_k}
+               T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs}
 LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
-SUPPORTED = frozenset(_K_ENCODERS) | LEGACY
+SUPPORTED = frozenset(_K_ENCODERS) | LEGACY | {T.IQ4_NL}
 
 
 def quantize(w: np.ndarray, qtype: T | str) -> np.ndarray:
@@ -144,6 +182,10 @@ def quantize(w: np.ndarray, qtype: T | str) -> np.ndarray:
     w = np.ascontiguousarray(w, dtype=np.float32)
     if qtype in LEGACY:
         return gguf_quants.quantize(w, qtype)
+    if qtype == T.IQ4_NL:
+        if w.shape[-1] % 32:
+            raise ValueError(f"IQ4_NL rows hold blocks of 32; K = {w.shape[-1]}")
+        return _iq4_nl(w.reshape(-1, 32)).reshape(*w.shape[:-1], -1)
     if qtype not in _K_ENCODERS:
         raise ValueError(f"no encoder for {qtype.name}; supported: {', '.join(sorted(t.name for t in SUPPORTED))}")
     k = w.shape[-1]
@@ -161,9 +203,10 @@ LLAMA_CPP_MIXES: dict[str, T] = {
     "Q2_K": T.Q2_K, "Q3_K_S": T.Q3_K, "Q3_K_M": T.Q3_K, "Q3_K_L": T.Q3_K, "Q4_K_S": T.Q4_K, "Q4_K_M": T.Q4_K,
     "Q5_K_S": T.Q5_K, "Q5_K_M": T.Q5_K, "Q6_K": T.Q6_K,
     "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q5_0": T.Q5_0, "Q5_1": T.Q5_1, "Q8_0": T.Q8_0,
+    "IQ4_NL": T.IQ4_NL, "IQ4_XS": T.IQ4_XS,
 }
 # where a row does not hold whole 256-channel super-blocks (Q2_K / Q3_K: see the module doc)
-FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
 # weights llama-quantize copies unquantized, besides 1-D tensors
 _KEPT = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight", "token_types.weight",
          "ssm_conv1d.weight", "attn_rel_b.weight")
@@ -186,6 +229,8 @@ def _rule(name: str, mix: str, default: T, layer: int, n_layers: int, n_gqa: int
             return T.Q5_K if layer < 2 else T.Q4_K
         if mix == "Q3_K_L":
             return T.Q5_K
+        if mix in ("IQ4_NL", "IQ4_XS") and n_gqa >= 4:
+            return T.Q5_K
         if mix in ("Q4_K_M", "Q5_K_M") and _more_bits(layer, n_layers):
             return T.Q6_K
         if mix == "Q4_K_S" and layer < 4:
@@ -197,7 +242,11 @@ def _rule(name: str, mix: str, default: T, layer: int, n_layers: int, n_gqa: int
             return T.Q5_K if layer < n_layers // 16 else T.Q4_K
         if mix == "Q3_K_L":
             return T.Q5_K
-        if mix in ("Q4_K_M", "Q5_K_M") and _more_bits(layer, n_layers):
+        if mix == "Q4_K_M" and _more_bits(layer, n_layers):
+            return T.Q6_K
+        if mix in ("IQ4_NL", "IQ4_XS") and layer < n_layers // 8:
+            return T.Q5_K
+        if mix == "Q5_K_M" and _more_bits(layer, n_layers):
             return T.Q6_K
         if mix == "Q4_K_S" and layer < n_layers // 8:
             return T.Q5_K

@@ -19,10 +19,11 @@ from tests.helpers import examples
 TYPES = sorted(SUPPORTED, key=lambda t: t.value)
 # Byte offsets of each block's fp16 fields (d, dmin), from the block structs in ggml-common.h.
 FP16_FIELDS = {T.Q4_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
-               T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-# Largest code per type (2- and 3-bit codes are held as 4-bit ones).
+               T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0]}
+# Largest code per type (2- and 3-bit codes are held as 4-bit ones; the IQ4 types' as their
+# table's largest value, 113, + 128).
 MAX_CODE = {T.Q4_0: 15, T.Q8_0: 255, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31, T.Q2_K: 3, T.Q3_K: 7, T.Q4_K: 15, T.Q5_K: 31,
-            T.Q6_K: 63}
+            T.Q6_K: 63, T.IQ4_NL: 241, T.IQ4_XS: 241}
 FIELDS = ("q", "sc", "mn", "d", "dmin")
 
 
@@ -187,7 +188,7 @@ def test_encode_q4_1_keeps_a_q4_1_tensors_codes():
     assert same_codes(encode_q4_1(dequantize(stored)), stored)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.F16, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.F16, T.IQ3_S], ids=lambda t: t.name)
 def test_unsupported_type_is_named(qtype):
     with pytest.raises(ValueError, match=qtype.name):
         decode(np.zeros(1024, np.uint8), qtype, (1, 256))

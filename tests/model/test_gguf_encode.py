@@ -25,7 +25,7 @@ ASYMMETRIC = {T.Q2_K: (16, 3, 15), T.Q4_K: (32, 15, 63), T.Q5_K: (32, 31, 63)}
 # symmetric types (w = d sc (q - n), 16 channels a sub-block): n, sub-scale levels L'
 SYMMETRIC = {T.Q3_K: (4, 32), T.Q6_K: (32, 128)}
 CODE_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5,
-             T.Q8_0: 8}
+             T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4}
 
 
 def fp16_error(x: np.ndarray) -> np.ndarray:
@@ -93,6 +93,47 @@ def test_k_quants_within_bound_and_decoded_alike(n, supers, log_scale, seed):
         np.testing.assert_array_equal(ours.view(np.uint32), got.view(np.uint32))
 
 
+def iq4_error_bound(w: np.ndarray, qtype: T) -> np.ndarray:
+    """Per element, the most |w - w_hat| may be for IQ4_NL / IQ4_XS (module doc of gguf_encode). A_j:
+    the 32-channel block's max |w|, A: the super-block's. The table t runs -127 .. 113 with gaps of
+    at most 24, so a value x / step within it is at most 12 steps from an entry, one past it at
+    most 127 |s| / |step| - 113 steps from 113, where s = A_j / 127 is the block's exact scale.
+    IQ4_NL's step is s (to fp16 rounding): at most 14 s off. IQ4_XS's is d sc with |d sc - s| <= |d|
+    (rounding to a multiple of d, or clipping +32 to 31), |d| = A / (32 * 127): at most
+    max(12 (s + |d|), 14 s + 113 |d|). The factor 1.01 covers fp16's rounding of d."""
+    n_rows, k = w.shape
+    blocks = np.repeat(np.abs(w).reshape(n_rows, k // 32, 32).max(axis=-1), 32, axis=1) / 127
+    if qtype == T.IQ4_NL:
+        return 1.01 * 14 * blocks + 2.0 ** -20 * blocks * 127
+    d = np.repeat(np.abs(w).reshape(n_rows, k // 256, 256).max(axis=-1), 256, axis=1) / (32 * 127)
+    return 1.01 * np.maximum(12 * (blocks + d), 14 * blocks + 113 * d) + 2.0 ** -20 * d * 32 * 127
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(n=st.integers(1, 8), supers=st.integers(1, 4), log_scale=st.floats(-2, 2), seed=st.integers(0, 2 ** 16))
+def test_iq4_types_within_bound_and_decoded_alike(n, supers, log_scale, seed):
+    w = weights(np.random.default_rng(seed), n, 256 * supers, 10.0 ** log_scale)
+    for qtype in (T.IQ4_NL, T.IQ4_XS):
+        raw = quantize(w, qtype)
+        assert raw.dtype == np.uint8 and raw.shape == (n, 256 * supers // GGML_QUANT_SIZES[qtype][0]
+                                                       * GGML_QUANT_SIZES[qtype][1])
+        got = gguf_dequantize(raw, qtype)
+        assert np.isfinite(got).all()
+        excess = np.abs(got - w) - iq4_error_bound(w, qtype)
+        assert excess.max() <= 0, (qtype.name, np.unravel_index(excess.argmax(), w.shape))
+        ours = gguf_codes.dequantize(gguf_codes.decode(raw, qtype, (n, 256 * supers)))
+        np.testing.assert_array_equal(ours.view(np.uint32), got.view(np.uint32))
+
+
+def test_iq4_keeps_its_own_grid():
+    """Values on the table's grid come back unchanged: a block holding t[0] * 2^-4 and other
+    entries times 2^-4 has scale exactly 2^-4."""
+    values = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+    w = np.tile(np.concatenate([values, values[::-1]]), (2, 8)) / 16
+    for qtype in (T.IQ4_NL, T.IQ4_XS):
+        np.testing.assert_array_equal(gguf_dequantize(quantize(w, qtype), qtype), w)
+
+
 def test_error_falls_with_bits():
     w = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
     mse = [float(np.mean((gguf_dequantize(quantize(w, t), t) - w) ** 2)) for t in K_TYPES]
@@ -133,7 +174,9 @@ def test_rows_must_hold_whole_super_blocks():
     with pytest.raises(ValueError, match="super-blocks"):
         quantize(np.zeros((2, 576), np.float32), T.Q4_K)
     with pytest.raises(ValueError, match="no encoder"):
-        quantize(np.zeros((2, 256), np.float32), T.IQ4_NL)
+        quantize(np.zeros((2, 256), np.float32), T.IQ2_XXS)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize(np.zeros((2, 48), np.float32), T.IQ4_NL)
 
 
 # ---------------------------------------------------------------- mixes
@@ -170,6 +213,11 @@ def test_other_mixes():
         assert layer_types("Q2_K", kind, n) == [want] * n
     for kind in ("attn_v", "ffn_down", "attn_q"):
         assert layer_types("Q6_K", kind, n) == ["Q6_K"] * n
+    for mix in ("IQ4_XS", "IQ4_NL"):
+        assert layer_types(mix, "attn_v", n, n_gqa=4) == ["Q5_K"] * n
+        assert layer_types(mix, "attn_v", n, n_gqa=3) == [mix] * n
+        assert layer_types(mix, "ffn_down", n) == ["Q5_K"] * 4 + [mix] * 28  # n / 8 layers
+        assert layer_types(mix, "attn_output", n) == [mix] * n
 
 
 def test_output_fallbacks_and_unquantized():
@@ -182,11 +230,12 @@ def test_output_fallbacks_and_unquantized():
     # the embeddings are the output where the file has none (tied), else the mix's type
     assert tensor_type("token_embd.weight", (32000, 4096), "Q4_K_M", 32, tied_output=True) == "Q6_K"
     assert tensor_type("token_embd.weight", (32000, 4096), "Q4_K_M", 32) == "Q4_K"
-    # rows of 576 (no whole 256-channel super-blocks): llama.cpp's fallbacks, Q4_0 for IQ4_NL
+    # rows of 576 (no whole 256-channel super-blocks): llama.cpp's fallbacks
     assert layer_types("Q4_K_M", "attn_v", 30, k=576) == ["Q8_0" if i in MORE_BITS[30] else "Q5_0" for i in range(30)]
     assert layer_types("Q5_K_M", "attn_q", 30, k=576) == ["Q5_1"] * 30
     assert layer_types("Q2_K", "attn_q", 30, k=576) == ["Q4_0"] * 30
     assert layer_types("Q3_K_M", "ffn_up", 30, k=576) == ["Q4_0"] * 30
+    assert layer_types("IQ4_XS", "attn_q", 30, k=576) == ["IQ4_NL"] * 30
     with pytest.raises(ValueError, match="unknown mix"):
         tensor_type("output.weight", (8, 256), "Q4_K_XL", 1)
 
@@ -262,7 +311,7 @@ def tiny_gguf(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_K_S", "Q3_K_M", "Q2_K"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_K_S", "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_requantize_tiny(tiny_gguf, tmp_path, mix):
     dst = str(tmp_path / f"{mix}.gguf")
     types = requantize_gguf(tiny_gguf, dst, mix)
@@ -274,6 +323,10 @@ def test_requantize_tiny(tiny_gguf, tmp_path, mix):
         assert types["blk.0.attn_q_a.weight"] == "Q5_0"
     if mix == "Q2_K":  # GQA 4
         assert {types[f"blk.{i}.attn_v.weight"] for i in range(8)} == {"Q4_K"}
+    if mix == "IQ4_XS":
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(8)} == {"Q5_K"}  # GQA 4
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(8)] == ["Q5_K"] + ["IQ4_XS"] * 7
+        assert types["blk.0.attn_q_a.weight"] == "IQ4_NL" and types["blk.3.ffn_up.weight"] == "IQ4_XS"
 
 
 def test_cli_prints_type_counts(tiny_gguf, tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""K-quant GGUFs run on their own codes (`--quantization gguf`, what 'auto' picks for them): the
-embedded model requantized as llama.cpp's Q4_K_M mix, loaded without a dense copy, agrees with
+"""K-quant and IQ4 GGUFs run on their own codes (`--quantization gguf`, what 'auto' picks for them):
+the embedded model requantized as llama.cpp's Q4_K_M and IQ4_XS mixes, loaded without a dense copy, agrees with
 the fp32 run on the same file's dequantized weights; loading stays within a bound of the file's
 size; broken files and unsupported types are clear errors."""
 
@@ -34,6 +34,14 @@ def q4_k_m(model_path, tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def iq4_xs(model_path, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("gguf") / "smollm2-iq4_xs.gguf")
+    types = requantize_gguf(model_path, path, "IQ4_XS")
+    assert {"IQ4_XS", "IQ4_NL"} <= set(types.values())  # ffn_down's 1536 channels; rows of 576
+    return path
+
+
 def test_auto_keeps_k_quant_codes(q4_k_m):
     reader = open_gguf(q4_k_m)
     assert resolve_quantization("auto", CPU, torch.bfloat16, reader) == "gguf"
@@ -63,16 +71,18 @@ def test_broken_files_are_clear_errors(q4_k_m, tmp_path):
 
 
 @pytest.mark.slow
-def test_q4_k_m_agrees_with_fp32_on_its_dequantized_weights(q4_k_m):
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq4_xs"])
+def test_quantized_gguf_agrees_with_fp32_on_its_dequantized_weights(mix, request):
     """Top-1 agreement, teacher-forced over a prompt and 256 greedy fp32 tokens, >= 95%: the
     fp32 engine dequantizes the same file (the reference), the bf16 one multiplies its codes."""
-    reference = LLMEngine(model=q4_k_m, dtype="float32", kv_cache_memory=64 << 20)
+    path = request.getfixturevalue(mix)
+    reference = LLMEngine(model=path, dtype="float32", kv_cache_memory=64 << 20)
     assert reference.runner.model.quantization == "none"
     prompt = reference.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
     seq = prompt + run_greedy(reference, [prompt], 256)[0]
     want = teacher_forced_logits(reference, seq).argmax(-1)
     reference.shutdown()
-    engine = LLMEngine(model=q4_k_m, dtype="bfloat16", kv_cache_memory=64 << 20)
+    engine = LLMEngine(model=path, dtype="bfloat16", kv_cache_memory=64 << 20)
     model = engine.runner.model
     assert model.quantization == "gguf"
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -82,7 +92,7 @@ def test_q4_k_m_agrees_with_fp32_on_its_dequantized_weights(q4_k_m):
                    for p in model.layers.parameters())  # no dense layer weights
     got = teacher_forced_logits(engine, seq).argmax(-1)
     agreement = (got == want).float().mean().item()
-    print(f"Q4_K_M top-1 agreement with fp32: {agreement:.4f} over {len(seq)} positions")
+    print(f"{mix} top-1 agreement with fp32: {agreement:.4f} over {len(seq)} positions")
     assert agreement >= 0.95
 
 

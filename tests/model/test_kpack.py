@@ -66,7 +66,7 @@ def test_one_tensor_packs_as_numpy(qtype, n, blocks, seed):
 @given(data=st.data(), qtype=st.sampled_from(TYPES), n=st.integers(1, 50), seed=st.integers(0, 2**32 - 1))
 def test_rows_in_any_order_pack_as_numpy(data, qtype, n, seed):
     """Rows picked, repeated and reordered (a shard; llama.cpp's Q/K permutation undone)."""
-    k = GGML_QUANT_SIZES[qtype][0] * 2 if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) else 96
+    k = GGML_QUANT_SIZES[qtype][0] * 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     raw = raw_blocks(qtype, n, k, seed)
     index = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=40)))
     blocks = from_blocks(raw, qtype, (n, k)).rows(index)

@@ -4,7 +4,8 @@
    after `carpool serve` starts, 15.3-17.6 s through numpy (a 2-core AMD EPYC VM, two runs each:
        carpool bench startup --model llama1b-q4_k_m.gguf --output bench_results/startup_1b ).
 
-   kq_pack decodes rows of one GGUF tensor (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K) block by
+   kq_pack decodes rows of one GGUF tensor (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL,
+   IQ4_XS) block by
    block and writes them as rows first_row .. of a weight whose form (KQuantWeight: bits, offset,
    super-block size, which of sc / mn / m it has) may be wider than the tensor's own: a fused
    projection (q, k, v; gate, up) is packed by one call per part into the same arrays, in the
@@ -48,7 +49,12 @@ static const BlockType TYPES[] = {
     {12, 256, 144, 4, 0, 1, 1, 1},   /* Q4_K */
     {13, 256, 176, 5, 0, 1, 1, 1},   /* Q5_K */
     {14, 256, 210, 6, 32, 1, 0, 0},  /* Q6_K */
+    {20, 32, 18, 8, 128, 0, 0, 0},   /* IQ4_NL */
+    {23, 256, 136, 8, 128, 1, 0, 0}, /* IQ4_XS */
 };
+
+/* The IQ4 types' table (gguf_codes.IQ4_VALUES) as 8-bit codes, value + 128. */
+static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* One block, decoded: codes, sub-scales per 16 channels (1 where the type has none), d, m (the
    min term's factor, raw fp16 bits; 0 where the type has none). */
@@ -140,6 +146,22 @@ static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
             }
         memcpy(out->sc, b + 192, 16);
         out->d = read16(b + 208), out->m = 0;
+        return;
+    }
+    case 20:  /* IQ4_NL: d, qs[16] (table indices, low nibbles first) */
+        for (int j = 0; j < 16; j++) out->q[j] = IQ4_CODES[b[2 + j] & 15], out->q[16 + j] = IQ4_CODES[b[2 + j] >> 4];
+        out->d = read16(b), out->m = 0;
+        return;
+    case 23: {  /* IQ4_XS: d, scales_h (2 bits per 32 channels), scales_l[4] (4 bits each), qs[128] */
+        const int high = read16(b + 2);
+        for (int i = 0; i < 8; i++) {
+            const int low = (b[4 + i / 2] >> (4 * (i % 2))) & 15;
+            out->sc[2 * i] = out->sc[2 * i + 1] = (int8_t)((low | ((high >> (2 * i)) & 3) << 4) - 32);
+            const uint8_t *qs = b + 8 + 16 * i;
+            for (int j = 0; j < 16; j++)
+                out->q[32 * i + j] = IQ4_CODES[qs[j] & 15], out->q[32 * i + 16 + j] = IQ4_CODES[qs[j] >> 4];
+        }
+        out->d = read16(b), out->m = 0;
         return;
     }
     }
