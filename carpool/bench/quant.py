@@ -74,7 +74,7 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):
             kernels["bf16 packed"].append(PackedLinear(dense))
-        if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() and in_features % 32 == 0:
+        if dtype == torch.bfloat16 and cpu_kernels.has_bf16_tiles() and in_features % 32 == 0:
             kernels["bf16 tiles"].append(TiledLinear(dense))
     return {k: v for k, v in kernels.items() if v and k in only}
 

@@ -76,6 +76,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "kq_pack": ("int", "ptr blocks, i64 row_stride, int qtype, ptr rows, i64 count, ptr out, i64 first_row, "
                        "int num_threads"),
     "bf16_tiles_pack": ("void", "ptr w, i64 n, i64 k, ptr tiles"),
+    "bf16_tiles_supported": ("int", ""),
     "bf16_tiles_matmul": ("int", "ptr tiles, ptr x, ptr out, i64 tokens, i64 n, i64 k, int num_threads, "
                                  "i64 amx_from"),
     "paged_attention_runs": ("int", "ptr q, i64 q_stride, ptr out, i64 out_stride, ptr k_cache, ptr v_cache, "
@@ -483,6 +484,13 @@ def has_kq_tiles() -> bool:
     return lib is not None and bool(lib.kq_gemm_supported())
 
 
+def has_bf16_tiles() -> bool:
+    """Whether bf16 weights stored as tiles multiply here: kquant.c's bf16 kernels (AVX512-BF16,
+    AMX) or its fp32 one for them (AVX2 and FMA without AVX-512)."""
+    lib = library()
+    return lib is not None and bool(lib.bf16_tiles_supported())
+
+
 # The tensors of a weight in kquant.c's form, in KQuantWeight's order (None where absent).
 KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
                   torch.Tensor | None]
@@ -570,6 +578,8 @@ def bf16_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int, amx_from: in
     out = x.new_empty((x.shape[0], n))
     if not library().bf16_tiles_matmul(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, k,
                                        torch.get_num_threads(), amx_from):
+        if not has_bf16_tiles():
+            raise RuntimeError("bf16_tiles_matmul: this CPU has neither AVX512-BF16 nor AVX2 with FMA")
         raise MemoryError("bf16_tiles_matmul: no memory for the activations' copy")
     return out
 

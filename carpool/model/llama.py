@@ -175,10 +175,11 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
 class TiledLinear(nn.Module):
     """A bf16 linear layer whose weight is stored as kquant.c's tiles (16 rows' channel pairs
     together), multiplied by its bf16 kernels: `vdpbf16ps` below AMX_FROM tokens, AMX from there
-    where the CPU has it. On an Intel Xeon with AMX whose memory reads at 19.8 GB/s, oneDNN's
-    packed GEMV read a 1B model's gate/up weight at 7.6 GB/s; over all of that model's linears
-    the tiles ran 2.09x faster at one token, 1.83x at 16, 1.33x at 64 and 0.94x at 256
-    (`carpool bench quant`, BENCHMARKS.md "Kernels")."""
+    where the CPU has it; fp32 FMAs on the widened bf16 values on CPUs with AVX2 and no AVX-512,
+    where oneDNN neither packs nor multiplies bf16 fast. On an Intel Xeon with AMX whose memory
+    reads at 19.8 GB/s, oneDNN's packed GEMV read a 1B model's gate/up weight at 7.6 GB/s; over
+    all of that model's linears the tiles ran 2.09x faster at one token, 1.83x at 16, 1.33x at 64
+    and 0.94x at 256 (`carpool bench quant`, BENCHMARKS.md "Kernels")."""
 
     AMX_FROM = 16
 
@@ -195,18 +196,23 @@ class TiledLinear(nn.Module):
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Swap every nn.Linear for a TiledLinear where the CPU has AVX512-BF16, else a PackedLinear
-    (CPU, bf16 only); returns how many."""
+    """Swap every nn.Linear for a TiledLinear where kquant.c multiplies bf16 tiles, else a
+    PackedLinear where oneDNN packs bf16 (CPU, bf16 only); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    tiled = cpu_kernels.has_kq_tiles() and all(child.in_features % 32 == 0 for _, _, child in swaps)
+    if cpu_kernels.has_bf16_tiles() and all(child.in_features % 32 == 0 for _, _, child in swaps):
+        layer = TiledLinear
+    elif _onednn_packs_bf16():
+        layer = PackedLinear
+    else:
+        return 0
     for parent, name, child in swaps:
-        setattr(parent, name, TiledLinear(child) if tiled else PackedLinear(child))
+        setattr(parent, name, layer(child))
     return len(swaps)
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+    return device.type == "cpu" and dtype == torch.bfloat16 and (cpu_kernels.has_bf16_tiles() or _onednn_packs_bf16())
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """bf16 weights stored as kquant.c's tiles (model/llama.py's TiledLinear): any shape and token
-count, on vdpbf16ps and on AMX, gives the bf16 products summed in fp32."""
+count, on vdpbf16ps, on AMX and with AVX2's FMAs, gives the bf16 products summed in fp32."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from carpool.model import cpu_kernels
 from carpool.model.llama import TiledLinear, pack_linears_for_cpu
 from tests.helpers import examples
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_kq_tiles(), reason="needs AVX512-BF16 and VBMI")
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_bf16_tiles(), reason="needs AVX512-BF16 or AVX2 with FMA")
 
 
 @settings(max_examples=examples(40), deadline=None)

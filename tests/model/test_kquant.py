@@ -160,14 +160,15 @@ def _cpu_flags() -> set[str]:
                     reason="this CPU runs the AVX2 kernels in every test already (or has no AVX2)")
 def test_the_avx2_kernels_pass_these_tests_on_an_avx512_cpu(tmp_path):
     """CPUs without AVX-512 (AMD Zen 1-3) run other code: build it here too (-mno-avx512f) and
-    run this file's integer-kernel tests and the int4/int8 ones against it."""
+    run this file's integer-kernel tests, the int4/int8 ones and the bf16 tiles' against it."""
     env = {**os.environ, "CARPOOL_KERNEL_FLAGS": "-mno-avx512f -mno-amx-tile", "CARPOOL_KERNEL_CACHE": str(tmp_path)}
     probe = ("from carpool.model import cpu_kernels as k; "
-             "print(k.has_kq_matmul(), k.has_kq_tiles(), k.has_quantized_matmul(), k.has_amx())")
+             "print(k.has_kq_matmul(), k.has_kq_tiles(), k.has_quantized_matmul(), k.has_amx(), k.has_bf16_tiles())")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "False", "True", "False"], out.stdout + out.stderr
+    assert out.stdout.split() == ["True", "False", "True", "False", "True"], out.stdout + out.stderr
     tests = ["tests/model/test_kquant.py::test_integer_kernel_is_dequantized_weights_times_int8_activations",
-             "tests/model/test_kquant.py::test_both_kernels_agree_across_the_switch", "tests/model/test_quant.py"]
+             "tests/model/test_kquant.py::test_both_kernels_agree_across_the_switch", "tests/model/test_quant.py",
+             "tests/model/test_bf16_tiles.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                          cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

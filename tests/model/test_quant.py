@@ -215,14 +215,19 @@ def test_resolve_quantization(model_path, reader):
 
 def test_auto_dtype_is_bf16_for_a_quantized_gguf_even_without_fast_bf16(monkeypatch, model_path):
     """On AVX2 alone torch emulates bf16 GEMMs, but a quantized GGUF's linears run on the integer
-    kernels, so bf16 only stores activations there; anything else stays fp32 on such a CPU."""
+    kernels, so bf16 only stores activations there; anything else stays fp32 on such a CPU unless
+    kquant.c multiplies bf16 tiles there."""
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_tiles", lambda: False)
     kernels = cpu_kernels.has_quantized_matmul()
     assert resolve_dtype("auto", CPU, model_path, "auto") == (torch.bfloat16 if kernels else torch.float32)
     assert resolve_dtype("auto", CPU, model_path, "none") == torch.float32
     assert resolve_dtype("auto", CPU, "an/hf-folder", "auto") == torch.float32
     assert resolve_dtype("float32", CPU, model_path, "auto") == torch.float32
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", CPU, "an/hf-folder", "none") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_tiles", lambda: True)  # AVX2's FMA tiles
     assert resolve_dtype("auto", CPU, "an/hf-folder", "none") == torch.bfloat16
 
 

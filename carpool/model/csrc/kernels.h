@@ -229,6 +229,7 @@ int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t 
 int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
               int64_t tile_from);
 void bf16_tiles_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *tiles);
+int bf16_tiles_supported(void);
 int bf16_tiles_matmul(const uint16_t *tiles, const uint16_t *x, uint16_t *out, int64_t tokens, int64_t n, int64_t k,
                       int num_threads, int64_t amx_from);
 int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out_stride,

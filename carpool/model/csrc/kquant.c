@@ -921,6 +921,85 @@ int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, i
 
 /* ---------------------------------------------------------------- bf16 weights as stored tiles */
 
+#if !defined(HAVE_KQ_GEMM) && defined(KQ_AVX2)
+#define HAVE_TILES_AVX2 1
+#define F32_TOKENS 4  /* tokens per pass: 2 accumulators each, 4 weight vectors and a broadcast */
+#define TILES_L2 (256 << 10)  /* bytes of tiles a pass over a token tile keeps in cache */
+
+/* The stored tiles with AVX2 and FMA, which have no bf16 arithmetic. A tile's 32-bit lane holds
+   one row's two channels, and a bf16 is the high half of an fp32: a shift and a mask give both
+   as fp32, and an FMA multiplies each by a token's channel (widened the same way). A product of
+   two bf16 values is exact in fp32, as in vdpbf16ps; only the sums round, in another order.
+   Block b's tiles (16 rows, every channel pair: 64 bytes a pair) against tokens t0 .. t0 + tn - 1,
+   whose channels xp holds as fp32, [pair][F32_TOKENS][2]. */
+static inline __attribute__((always_inline)) void tiles_tokens_avx2(const uint8_t *tile, int64_t pairs,
+                                                                    const float *xp, const int tn, uint16_t *out,
+                                                                    int64_t n, int64_t t0, int64_t row0) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[F32_TOKENS][2];
+    for (int t = 0; t < tn; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(tile + 64 * p));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(tile + 64 * p + 32));
+        const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+        const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+        const float *x = xp + p * 2 * F32_TOKENS;
+        for (int t = 0; t < tn; t++) {
+            const __m256 xe = _mm256_broadcast_ss(x + 2 * t), xo = _mm256_broadcast_ss(x + 2 * t + 1);
+            acc[t][0] = _mm256_fmadd_ps(odd0, xo, _mm256_fmadd_ps(even0, xe, acc[t][0]));
+            acc[t][1] = _mm256_fmadd_ps(odd1, xo, _mm256_fmadd_ps(even1, xe, acc[t][1]));
+        }
+    }
+    for (int t = 0; t < tn; t++)
+        for (int h = 0; h < 2; h++) store8(out, (t0 + t) * n + row0 + 8 * h, acc[t][h], n - row0 - 8 * h, 1);
+}
+
+/* Blocks are taken in groups whose tiles fit TILES_L2, each token tile running over the whole
+   group while its channels stay in L1: the tiles are read from memory once, the tokens once per
+   group. */
+static int tiles_matmul_avx2(const uint16_t *tiles, const uint16_t *x, uint16_t *out, int64_t tokens, int64_t n,
+                             int64_t k, int num_threads) {
+    const int64_t pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS, block_bytes = pairs * 64;
+    const int64_t token_tiles = (tokens + F32_TOKENS - 1) / F32_TOKENS;
+    const int64_t per_group = block_bytes >= TILES_L2 ? 1 : TILES_L2 / block_bytes;
+    float *xp = calloc((size_t)(token_tiles * pairs * 2 * F32_TOKENS), sizeof(float));
+    if (!xp) return 0;
+    for (int64_t t = 0; t < tokens; t++)  /* [token tile][pair][token][2], bf16 widened to fp32 */
+        for (int64_t c = 0; c < k; c++) {
+            const uint32_t bits = (uint32_t)x[t * k + c] << 16;
+            memcpy(xp + (((t / F32_TOKENS) * pairs + c / 2) * F32_TOKENS + t % F32_TOKENS) * 2 + c % 2, &bits, 4);
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < (blocks + per_group - 1) / per_group; g++)
+        for (int64_t t0 = 0; t0 < tokens; t0 += F32_TOKENS) {
+            const float *xt = xp + (t0 / F32_TOKENS) * pairs * 2 * F32_TOKENS;
+            const int tn = tokens - t0 < F32_TOKENS ? (int)(tokens - t0) : F32_TOKENS;
+            for (int64_t b = g * per_group; b < blocks && b < (g + 1) * per_group; b++) {
+                const uint8_t *tile = (const uint8_t *)(tiles + b * KQ_ROWS * k);
+                switch (tn) {  /* constant token counts: the accumulators stay in registers */
+                    case 4: tiles_tokens_avx2(tile, pairs, xt, 4, out, n, t0, b * KQ_ROWS); break;
+                    case 3: tiles_tokens_avx2(tile, pairs, xt, 3, out, n, t0, b * KQ_ROWS); break;
+                    case 2: tiles_tokens_avx2(tile, pairs, xt, 2, out, n, t0, b * KQ_ROWS); break;
+                    default: tiles_tokens_avx2(tile, pairs, xt, 1, out, n, t0, b * KQ_ROWS); break;
+                }
+            }
+        }
+    free(xp);
+    return 1;
+}
+#endif
+
+/* Whether bf16_tiles_matmul runs here: AVX512-BF16 (and AMX where present), or AVX2 and FMA. */
+int bf16_tiles_supported(void) {
+#if defined(HAVE_KQ_GEMM) || defined(HAVE_TILES_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* w [n, k] bf16 (rows dense) rewritten as tiles (see TileSource): [ceil(n / 16)][k / 2][16][2], the
    rows past n zero. */
 void bf16_tiles_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *tiles) {
@@ -938,13 +1017,17 @@ void bf16_tiles_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *tiles) {
 
 /* out[tokens, n] = x[tokens, k] @ W.T for W stored as tiles, x and out bf16: bf16 products summed
    in fp32, each weight read once per call. Below `amx_from` tokens (or without AMX) with
-   vdpbf16ps, which at one token streams the tiles at the memory's rate; from it on AMX. Returns
-   0 when out of memory or when this CPU lacks AVX512-BF16. */
+   vdpbf16ps, which at one token streams the tiles at the memory's rate; from it on AMX; with
+   FMA on CPUs that have AVX2 and no AVX-512 (amx_from unused). Returns 0 when out of memory or
+   when this CPU has neither (bf16_tiles_supported). */
 int bf16_tiles_matmul(const uint16_t *tiles, const uint16_t *x, uint16_t *out, int64_t tokens, int64_t n, int64_t k,
                       int num_threads, int64_t amx_from) {
 #ifdef HAVE_KQ_GEMM
     const TileSource src = {NULL, tiles, n, k};
     return tile_matmul(&src, x, out, tokens, num_threads, amx_from);
+#elif defined(HAVE_TILES_AVX2)
+    (void)amx_from;
+    return tiles_matmul_avx2(tiles, x, out, tokens, n, k, num_threads);
 #else
     (void)tiles, (void)x, (void)out, (void)tokens, (void)n, (void)k, (void)num_threads, (void)amx_from;
     return 0;
