@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # carpool against llama.cpp and vLLM-CPU (../shared/peers kits), one server at a time on a quiet machine.
 # Usage: PEERS_OUT=DIR benchmarks/peers.sh OUT, DIR holding llama1b/ (random_llama.py), llama1b-bf16.gguf,
-# llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps;
+# llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize), llama1b-iq4_xs.gguf (llama-quantize ... IQ4_XS; for the
+# iq4xs steps) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps;
 # LLAMA_EXTRA adds llama-server flags (--no-repack where its AMX repacking crashes on Q4_1).
 set -uo pipefail
 OUT="$1"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -11,6 +12,7 @@ CARPOOL=$PWD/.venv/bin/carpool
 LLAMA=$HOME/.cache/carpool-peers/llamacpp/build/bin/llama-server
 Q4KM=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-q4_k_m.gguf
 BF16=${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b-bf16.gguf
+IQ4XS=$PEERS_OUT/llama1b-iq4_xs.gguf
 NP=16
 wait_up() { # URL PID: until the server answers, or its process has died
   for i in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }
@@ -55,6 +57,8 @@ for step in ${STEPS:-q4km-carpool q4km-llama q4km-carpool-fixed bf16-carpool bf1
     q4km-carpool) carpool_run q4km-carpool $Q4KM both ;;
     q4km-carpool-fixed) carpool_run q4km-carpool-fixed $Q4KM both --target-tbt-ms 0 ;;
     q4km-llama) llama_run q4km-llama $Q4KM both ;;
+    iq4xs-carpool) carpool_run iq4xs-carpool $IQ4XS single ;;
+    iq4xs-llama) llama_run iq4xs-llama $IQ4XS single ;;
     bf16-carpool) carpool_run bf16-carpool $BF16 single ;;
     bf16-llama) llama_run bf16-llama $BF16 single ;;
     bf16-vllm) vllm_run bf16-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b single ;;
