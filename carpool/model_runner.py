@@ -21,7 +21,7 @@ from carpool.model.attention import AttentionMetadata, PrefillChunk, decode_runs
 from carpool.model.compiled import CompiledLayers, can_compile, warm_up_sizes
 from carpool.model.cpu_kernels import has_decode_kernel
 from carpool.model.fused_layers import FusedLayers
-from carpool.model.llama import LlamaModel, can_pack_linears, pack_linears_for_cpu
+from carpool.model.llama import LlamaModel, pack_linears_for_cpu
 from carpool.model.paths import Path, choose_path
 
 log = logging.getLogger("carpool")
@@ -61,8 +61,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, enforce_eager: bool = True):
         self.model = model
-        if can_pack_linears(device, dtype):
-            pack_linears_for_cpu(model)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            pack_linears_for_cpu(model)  # bf16 tiles or oneDNN's packed layers, where the CPU has either
         self.block_size = block_size
         self.device = device
         self.decode_kernel = has_decode_kernel(device, dtype)  # else SDPA over gathered blocks

@@ -212,7 +212,8 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and (cpu_kernels.has_bf16_tiles() or _onednn_packs_bf16())
+    """Whether oneDNN packs bf16 linears here (PackedLinear)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
 
 
 @functools.cache
