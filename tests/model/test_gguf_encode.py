@@ -20,6 +20,7 @@ from carpool.model.gguf_encode import LLAMA_CPP_MIXES, main, quantize, requantiz
 from tests.helpers import examples
 
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+IQ4_TYPES = [T.IQ4_NL, T.IQ4_XS]
 # asymmetric types (w = d sc q - dmin m): sub-block size, largest code Q, sub-scale levels L
 ASYMMETRIC = {T.Q2_K: (16, 3, 15), T.Q4_K: (32, 15, 63), T.Q5_K: (32, 31, 63)}
 # symmetric types (w = d sc (q - n), 16 channels a sub-block): n, sub-scale levels L'
@@ -78,21 +79,6 @@ def weights(rng: np.random.Generator, n: int, k: int, scale: float) -> np.ndarra
     return w.astype(np.float32)
 
 
-@settings(max_examples=examples(40), deadline=None)
-@given(n=st.integers(1, 8), supers=st.integers(1, 4), log_scale=st.floats(-2, 2), seed=st.integers(0, 2 ** 16))
-def test_k_quants_within_bound_and_decoded_alike(n, supers, log_scale, seed):
-    w = weights(np.random.default_rng(seed), n, 256 * supers, 10.0 ** log_scale)
-    for qtype in K_TYPES:
-        raw = quantize(w, qtype)
-        assert raw.dtype == np.uint8 and raw.shape == (n, supers * GGML_QUANT_SIZES[qtype][1])
-        got = gguf_dequantize(raw, qtype)
-        assert np.isfinite(got).all()
-        excess = np.abs(got - w) - error_bound(w, qtype)
-        assert excess.max() <= 0, (qtype.name, np.unravel_index(excess.argmax(), w.shape))
-        ours = gguf_codes.dequantize(gguf_codes.decode(raw, qtype, (n, 256 * supers)))
-        np.testing.assert_array_equal(ours.view(np.uint32), got.view(np.uint32))
-
-
 def iq4_error_bound(w: np.ndarray, qtype: T) -> np.ndarray:
     """Per element, the most |w - w_hat| may be for IQ4_NL / IQ4_XS (module doc of gguf_encode). A_j:
     the 32-channel block's max |w|, A: the super-block's. The table t runs -127 .. 113 with gaps of
@@ -111,15 +97,16 @@ def iq4_error_bound(w: np.ndarray, qtype: T) -> np.ndarray:
 
 @settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 8), supers=st.integers(1, 4), log_scale=st.floats(-2, 2), seed=st.integers(0, 2 ** 16))
-def test_iq4_types_within_bound_and_decoded_alike(n, supers, log_scale, seed):
+def test_encoded_types_within_bound_and_decoded_alike(n, supers, log_scale, seed):
     w = weights(np.random.default_rng(seed), n, 256 * supers, 10.0 ** log_scale)
-    for qtype in (T.IQ4_NL, T.IQ4_XS):
+    for qtype in K_TYPES + IQ4_TYPES:
         raw = quantize(w, qtype)
-        assert raw.dtype == np.uint8 and raw.shape == (n, 256 * supers // GGML_QUANT_SIZES[qtype][0]
-                                                       * GGML_QUANT_SIZES[qtype][1])
+        block, size = GGML_QUANT_SIZES[qtype]
+        assert raw.dtype == np.uint8 and raw.shape == (n, 256 * supers // block * size)
         got = gguf_dequantize(raw, qtype)
         assert np.isfinite(got).all()
-        excess = np.abs(got - w) - iq4_error_bound(w, qtype)
+        bound = iq4_error_bound(w, qtype) if qtype in IQ4_TYPES else error_bound(w, qtype)
+        excess = np.abs(got - w) - bound
         assert excess.max() <= 0, (qtype.name, np.unravel_index(excess.argmax(), w.shape))
         ours = gguf_codes.dequantize(gguf_codes.decode(raw, qtype, (n, 256 * supers)))
         np.testing.assert_array_equal(ours.view(np.uint32), got.view(np.uint32))
@@ -130,7 +117,7 @@ def test_iq4_keeps_its_own_grid():
     entries times 2^-4 has scale exactly 2^-4."""
     values = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
     w = np.tile(np.concatenate([values, values[::-1]]), (2, 8)) / 16
-    for qtype in (T.IQ4_NL, T.IQ4_XS):
+    for qtype in IQ4_TYPES:
         np.testing.assert_array_equal(gguf_dequantize(quantize(w, qtype), qtype), w)
 
 
