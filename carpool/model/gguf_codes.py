@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf.quants import Q4_K
+from gguf.quants import IQ4_NL, Q4_K
 
 from carpool.model import cpu_kernels
 
@@ -181,7 +181,7 @@ def _q8_0(b: np.ndarray):
 
 # IQ4_NL / IQ4_XS's 4-bit codes index this table (gguf.quants.IQ4_NL.kvalues): the value a code
 # stands for is an int8, so it is held as an 8-bit code, value + 128, like Q8_0's.
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+IQ4_VALUES = np.array(IQ4_NL.kvalues, np.int16)
 _IQ4_CODES = (IQ4_VALUES + 128).astype(np.uint8)
 
 

@@ -14,7 +14,7 @@ from its sub-block's range in one step):
     largest magnitude (so v itself is a code, -n), n = 4 or 32; d = (scale of largest magnitude) / -L'
     (L' = 32, 128), sub-scales rounded and clipped to 6-bit / int8, codes round(w / (d sc)) clipped.
 
-  * IQ4_NL, IQ4_XS (w = d sc t[q], t the 16 int8 values of gguf_codes.IQ4_VALUES): the first step
+  * IQ4_NL, IQ4_XS (w = d sc t[q], t the 16 int8 values of gguf.quants.IQ4_NL.kvalues): the first step
     of llama.cpp's quantize_row_iq4_nl_impl, without its search over scales. Per 32 channels the
     scale v / -127 (v the value of largest magnitude, so v is t[0] times it); IQ4_NL stores it as
     d, IQ4_XS as d = (scale of largest magnitude) / -32 and sc = its rounding to -32 .. 31. Each
@@ -137,7 +137,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
 
 
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+IQ4_VALUES = np.array(gguf_quants.IQ4_NL.kvalues, np.float32)
 
 
 def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -205,7 +205,7 @@ LLAMA_CPP_MIXES: dict[str, T] = {
     "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q5_0": T.Q5_0, "Q5_1": T.Q5_1, "Q8_0": T.Q8_0,
     "IQ4_NL": T.IQ4_NL, "IQ4_XS": T.IQ4_XS,
 }
-# where a row does not hold whole 256-channel super-blocks (Q2_K / Q3_K: see the module doc)
+# where a row does not hold whole super-blocks (llama.cpp's tensor_type_fallback)
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
 # weights llama-quantize copies unquantized, besides 1-D tensors
 _KEPT = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight", "token_types.weight",
