@@ -5,8 +5,7 @@
        carpool bench startup --model llama1b-q4_k_m.gguf --output bench_results/startup_1b ).
 
    kq_pack decodes rows of one GGUF tensor (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL,
-   IQ4_XS) block by
-   block and writes them as rows first_row .. of a weight whose form (KQuantWeight: bits, offset,
+   IQ4_XS) block by block and writes them as rows first_row .. of a weight whose form (KQuantWeight: bits, offset,
    super-block size, which of sc / mn / m it has) may be wider than the tensor's own: a fused
    projection (q, k, v; gate, up) is packed by one call per part into the same arrays, in the
    form gguf_codes.concat_rows gives the parts together:
