@@ -338,9 +338,22 @@ class LLMEngine:
 
     # ~460 prompt tokens and 6 decodes each: ~1 s for the embedded model on a 2-core CPU, a few
     # for a 1B model (start-up waits for it); the 384-token prompt shows the fit attention over a
-    # long prefix.
+    # long prefix, unless its step would pass CALIBRATION_STEP_SECONDS (last_calibration_prompt).
     CALIBRATION_PROMPTS = (16, 64, 384)
     CALIBRATION_DECODES = 6
+    CALIBRATION_STEP_SECONDS = 1.0
+
+    @classmethod
+    def last_calibration_prompt(cls, seconds_per_prompt_token: float) -> int:
+        """The last calibration prompt's length at the measured cost of a prompt token: the last of
+        CALIBRATION_PROMPTS, or fewer tokens where its step would pass CALIBRATION_STEP_SECONDS (a
+        1B Q4_K_M on 2 Zen 3 cores: ~12 ms a token, 4.6 s for 384), but at least twice the one
+        before. A model that slow plans chunks of tens of tokens beside decodes, and a lone prompt's
+        longer steps widen the fit's trust region as they run; start-up waits for every step here."""
+        before, last = cls.CALIBRATION_PROMPTS[-2:]
+        if seconds_per_prompt_token <= 0:
+            return last
+        return max(2 * before, min(last, int(cls.CALIBRATION_STEP_SECONDS / seconds_per_prompt_token)))
 
     def _calibrate_step_cost(self) -> None:
         """Run a few throwaway requests through the SLO policy, so that its step-time fit starts
@@ -362,8 +375,12 @@ class LLMEngine:
         stop_observing = self.add_batch_observer(lambda batch: shapes.append(batch.shape or BatchShape.of(batch)))
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=self.CALIBRATION_DECODES, ignore_eos=True, temperature=0)
+        first = len(self.iteration_stats)
         try:
             for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
+                if k == len(self.CALIBRATION_PROMPTS) - 1 and k > 0:
+                    longest = max(list(self.iteration_stats)[first:], key=lambda s: s.num_prefill_tokens)
+                    n = self.last_calibration_prompt(longest.duration / max(longest.num_prefill_tokens, 1))
                 if n < self.max_model_len - params.max_tokens:
                     self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,
                                      request_id=f"calibration-{k}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from carpool.engine import LLMEngine
 from carpool.llm import LLM
 from carpool.sampling_params import SamplingParams
 from tests.helpers import run_greedy, scheduler_config
@@ -341,6 +342,17 @@ def test_a_latency_target_starts_with_a_fitted_step_cost(engine_fp32, monkeypatc
         assert engine.scheduler.num_slo_unreachable == 0
         (out,) = run_greedy(engine, [[1, 2, 3, 4]], 4)
         assert len(out) == 4
+
+
+def test_the_last_calibration_prompt_shrinks_on_a_slow_model():
+    """Its step stays near CALIBRATION_STEP_SECONDS, between twice the prompt before it and the
+    configured last one."""
+    before, last = LLMEngine.CALIBRATION_PROMPTS[-2:]
+    per_token = LLMEngine.CALIBRATION_STEP_SECONDS / last
+    assert LLMEngine.last_calibration_prompt(per_token / 10) == last  # the embedded model
+    assert LLMEngine.last_calibration_prompt(per_token * 2) == max(2 * before, last // 2)
+    assert LLMEngine.last_calibration_prompt(0.012) == 2 * before  # a 1B model on 2 Zen 3 cores
+    assert LLMEngine.last_calibration_prompt(0.0) == last
 
 
 def test_a_restart_replays_the_cached_calibration(engine_fp32, monkeypatch, tmp_path):
