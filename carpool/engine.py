@@ -378,8 +378,9 @@ class LLMEngine:
         first = len(self.iteration_stats)
         try:
             for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
-                if k == len(self.CALIBRATION_PROMPTS) - 1 and k > 0:
-                    longest = max(list(self.iteration_stats)[first:], key=lambda s: s.num_prefill_tokens)
+                timed = list(self.iteration_stats)[first:]
+                if k == len(self.CALIBRATION_PROMPTS) - 1 and timed:
+                    longest = max(timed, key=lambda s: s.num_prefill_tokens)
                     n = self.last_calibration_prompt(longest.duration / max(longest.num_prefill_tokens, 1))
                 if n < self.max_model_len - params.max_tokens:
                     self.add_request([(7919 * (i + k) + 1) % vocab for i in range(n)], params,
