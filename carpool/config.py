@@ -49,8 +49,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 def resolve_dtype(name: str, device: torch.device, model: str | None = None, quantization: str = "none"
                   ) -> torch.dtype:
     """'auto' on CPU: bf16 where bf16 GEMMs are fast, or where carpool's C kernels multiply bf16
-    weights (kquant.c's tiles: fp32 FMAs on AVX2, as fast as an fp32 GEMM at 256 tokens and
-    reading half the bytes at one); also, without either, for a GGUF checkpoint that runs
+    weights (kquant.c's tiles: fp32 FMAs on AVX2, faster than torch's fp32 GEMM at 1-256 tokens
+    on a Zen 3, reading half its bytes); also, without either, for a GGUF checkpoint that runs
     quantized on the C kernels (quantization 'auto' or a mode): its linears then multiply integers
     and bf16 only stores the activations, at half fp32's bytes. Otherwise fp32."""
     import torch

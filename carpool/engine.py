@@ -378,8 +378,8 @@ class LLMEngine:
         first = len(self.iteration_stats)
         try:
             for k, n in enumerate(self.CALIBRATION_PROMPTS):  # one at a time: steps of many shapes
-                timed = list(self.iteration_stats)[first:]
-                if k == len(self.CALIBRATION_PROMPTS) - 1 and timed:
+                timed = list(self.iteration_stats)[first:] if k == len(self.CALIBRATION_PROMPTS) - 1 else []
+                if timed:  # the last prompt, sized by the cost of the earlier ones' prompt tokens
                     longest = max(timed, key=lambda s: s.num_prefill_tokens)
                     n = self.last_calibration_prompt(longest.duration / max(longest.num_prefill_tokens, 1))
                 if n < self.max_model_len - params.max_tokens:
