@@ -105,6 +105,14 @@ def latency_errors(real_summary, sim_summary) -> dict:
     return latency
 
 
+def busy_fraction(step_seconds: list[float], duration: float) -> float | None:
+    """The share of a run's span (first arrival to last token) spent in steps. Near 1 the queue
+    amplifies a step-time error: steps 10% long at 90% busy make the work of a 99% busy system,
+    and a queue's wait (rho / (1 - rho) for M/M/1) grows from 9 to 99 service times, so TTFTs
+    can be off by far more than any step."""
+    return float(sum(step_seconds) / duration) if duration > 0 else None
+
+
 def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args) -> dict:
     """The profile's predictions, and the online fit's (`sarathi:dynamic`: the engine's own
     policy seeded from the profile; its simulation starts from the same seed)."""
@@ -145,6 +153,9 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
     fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
+    sim_summary = summarize(timelines(sim), iterations(sim), decode_time=ref)[0]
+    fitted_summary = summarize(timelines(fitted_sim), iterations(fitted_sim), decode_time=ref)[0]
+    real_busy = busy_fraction(measured, real_summary.duration)
     return {
         "scheduler": spec.label,
         "steps": [step_record(*record) for record in zip(shapes, measured, idle_before(steps), predicted, online)],
@@ -153,11 +164,15 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
         "iteration_time_predicted_s": float(np.sum(predicted)),
-        "latency": latency_errors(real_summary, summarize(timelines(sim), iterations(sim), decode_time=ref)[0]),
+        "latency": latency_errors(real_summary, sim_summary),
+        "busy": {"real": real_busy,
+                 "simulated": busy_fraction([r.duration for r in iterations(sim)], sim_summary.duration)},
         "simulated_iterations": len(sim.micro_batches),
         "online": {**errors_by_kind(online, measured, shapes),
-                   "latency": latency_errors(real_summary, summarize(timelines(fitted_sim), iterations(fitted_sim),
-                                                                    decode_time=ref)[0]),
+                   "latency": latency_errors(real_summary, fitted_summary),
+                   "busy": {"real": real_busy,
+                            "simulated": busy_fraction([r.duration for r in iterations(fitted_sim)],
+                                                       fitted_summary.duration)},
                    "coefficients": fit.coefficients()},
         "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
     }
@@ -176,10 +191,10 @@ def run_fidelity(config, args) -> dict:
                 for record in r.pop(name):
                     f.write(json.dumps({"scheduler": r["scheduler"], **record}) + "\n")
     (out / "fidelity.json").write_text(json.dumps({"profile": args.profile, "results": results}, indent=2))
-    lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | "
+    lines = ["| scheduler | iterations | iteration error P50 / P90 | bias prefill / decode steps | busy real / sim | "
              "TTFT P50 real / sim (err) | "
              "TTFT P99 real / sim (err) | TBT P50 real / sim (err) | TBT P99 real / sim (err) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for label, e in ((f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"])):
             cells = []
@@ -188,8 +203,9 @@ def run_fidelity(config, args) -> dict:
                 cells.append(f"{v['real'] * 1e3:.0f} / {v['simulated'] * 1e3:.0f} ms ({v['error']:+.0%})")
             bias = " / ".join("-" if b is None else f"{b:+.1%}"
                               for b in (e["prefill_iteration_bias"], e["decode_iteration_bias"]))
+            busy = " / ".join("-" if b is None else f"{b:.0%}" for b in (e["busy"]["real"], e["busy"]["simulated"]))
             lines.append(f"| {label} | {r['iterations']} | {e['iteration_error_p50']:.1%} / "
-                         f"{e['iteration_error_p90']:.1%} | {bias} | " + " | ".join(cells) + " |")
+                         f"{e['iteration_error_p90']:.1%} | {bias} | {busy} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     print(table)

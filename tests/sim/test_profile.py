@@ -155,6 +155,9 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
         assert r["iterations"] > 0 and r["simulated_iterations"] > 0
         assert set(r["latency"]) == {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
         assert all(v["real"] > 0 and v["simulated"] > 0 for v in r["latency"].values())
+        # steps run one after another inside the span from the first arrival to the last token
+        for column in (r, r["online"]):
+            assert all(0 < column["busy"][k] <= 1.01 for k in ("real", "simulated"))
         # every scheduler's columns, recomputed from its own steps by one formula
         mine = [s for s in steps if s["scheduler"] == r["scheduler"]]
         assert len(mine) == r["iterations"] and all(s["measured_s"] > 0 and s["idle_before_s"] >= 0 for s in mine)
