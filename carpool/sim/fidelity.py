@@ -153,8 +153,9 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
     fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
-    sim_summary = summarize(timelines(sim), iterations(sim), decode_time=ref)[0]
-    fitted_summary = summarize(timelines(fitted_sim), iterations(fitted_sim), decode_time=ref)[0]
+    sim_steps, fitted_steps = iterations(sim), iterations(fitted_sim)
+    sim_summary = summarize(timelines(sim), sim_steps, decode_time=ref)[0]
+    fitted_summary = summarize(timelines(fitted_sim), fitted_steps, decode_time=ref)[0]
     real_busy = busy_fraction(measured, real_summary.duration)
     return {
         "scheduler": spec.label,
@@ -166,13 +167,12 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
         "iteration_time_predicted_s": float(np.sum(predicted)),
         "latency": latency_errors(real_summary, sim_summary),
         "busy": {"real": real_busy,
-                 "simulated": busy_fraction([r.duration for r in iterations(sim)], sim_summary.duration)},
+                 "simulated": busy_fraction([r.duration for r in sim_steps], sim_summary.duration)},
         "simulated_iterations": len(sim.micro_batches),
         "online": {**errors_by_kind(online, measured, shapes),
                    "latency": latency_errors(real_summary, fitted_summary),
                    "busy": {"real": real_busy,
-                            "simulated": busy_fraction([r.duration for r in iterations(fitted_sim)],
-                                                       fitted_summary.duration)},
+                            "simulated": busy_fraction([r.duration for r in fitted_steps], fitted_summary.duration)},
                    "coefficients": fit.coefficients()},
         "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
     }
