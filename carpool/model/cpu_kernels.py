@@ -469,7 +469,7 @@ class KQuantWeight(ctypes.Structure):
     _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("bits", ctypes.c_int64), ("offset", ctypes.c_int64), ("super_size", ctypes.c_int64),
-                ("m_sign", ctypes.c_float)]
+                ("lookup", ctypes.c_int64), ("m_sign", ctypes.c_float)]
 
 
 def has_kq_matmul() -> bool:
@@ -496,7 +496,8 @@ KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.
                   torch.Tensor | None]
 
 
-def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int, super_size: int) -> None:
+def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int, super_size: int,
+                      lookup: bool) -> None:
     """ValueError unless `tensors` are a weight in kquant.c's form for these sizes."""
     blocks, groups = -(-n // 16), k // 32
     planes = 0 if bits == 8 else bits - 4
@@ -507,7 +508,7 @@ def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int
               "m": ((blocks, k // super_size, 16), torch.float16)}
     lo, hi, sc, mn, d, m = tensors
     ok = (k % 32 == 0 and super_size in (32, 256) and k % super_size == 0 and bits in (4, 5, 6, 8)
-          and (hi is None) == (planes == 0) and d is not None)
+          and (hi is None) == (planes == 0) and d is not None and (bits == 4 or not lookup))
     for name, t in zip(expect, tensors):
         if t is not None and (expect[name] is None or not (t.is_cpu and t.is_contiguous()
                                                           and (tuple(t.shape), t.dtype) == expect[name])):
@@ -521,15 +522,16 @@ def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int
 
 class KQuantMatmul:
     """x @ W.T for a weight in csrc/kquant.c's form (codes, bit planes, sub-scales, fp16 super-block
-    factors; model/gguf_codes.py packs them). The struct of pointers is built once."""
+    factors; model/gguf_codes.py packs them). `lookup`: 4-bit codes standing for the IQ4 types'
+    8-bit codes (gguf_codes.IQ4_CODES). The struct of pointers is built once."""
 
     def __init__(self, tensors: KQTensors, n: int, k: int, bits: int, offset: int, super_size: int,
-                 m_sign: float = -1.0):
-        _check_kq_tensors("KQuantMatmul", tensors, n, k, bits, super_size)
+                 m_sign: float = -1.0, lookup: bool = False):
+        _check_kq_tensors("KQuantMatmul", tensors, n, k, bits, super_size, lookup)
         self.n, self.k, self.tensors = n, k, tensors  # the tensors keep the pointers valid
-        self.form = (n, bits, offset, super_size, m_sign)
+        self.form = (n, bits, offset, super_size, m_sign, lookup)
         ptr = lambda t: None if t is None else t.data_ptr()
-        self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, m_sign)
+        self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, m_sign)
         self._matmul = functools.partial(library().kq_matmul, ctypes.byref(self.struct))
 
     def __call__(self, x: torch.Tensor, tile_from: int) -> torch.Tensor:
@@ -585,12 +587,12 @@ def bf16_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, n: int, amx_from: in
 
 
 def kq_pack(blocks: np.ndarray, qtype: int, rows: np.ndarray, tensors: KQTensors, n: int, k: int, bits: int,
-            offset: int, super_size: int, first_row: int) -> None:
+            offset: int, super_size: int, first_row: int, lookup: bool = False) -> None:
     """Rows `rows` of a GGUF tensor of type `qtype` (GGML's number), its blocks [tensor rows, row
     bytes] uint8 (a column cut may stride the rows), written by csrc/kpack.c as rows first_row ..
-    of the weight `tensors` (kquant.c's form for n, k, bits, offset, super_size; zeroed before the
-    first call, as the calls OR their bits into shared bytes)."""
-    _check_kq_tensors("kq_pack", tensors, n, k, bits, super_size)
+    of the weight `tensors` (kquant.c's form for n, k, bits, offset, super_size, lookup; zeroed
+    before the first call, as the calls OR their bits into shared bytes)."""
+    _check_kq_tensors("kq_pack", tensors, n, k, bits, super_size, lookup)
     block_size, type_size = GGML_QUANT_SIZES.get(qtype, (0, 0)) if isinstance(qtype, int) else (0, 0)
     if not (block_size and k % block_size == 0 and isinstance(blocks, np.ndarray) and blocks.dtype == np.uint8
             and blocks.ndim == 2 and blocks.shape[1] == k // block_size * type_size and blocks.strides[1] == 1
@@ -602,11 +604,11 @@ def kq_pack(blocks: np.ndarray, qtype: int, rows: np.ndarray, tensors: KQTensors
     if len(rows) and not (0 <= rows.min() and rows.max() < len(blocks)):
         raise IndexError(f"kq_pack: rows out of range [0, {len(blocks)})")
     ptr = lambda t: None if t is None else t.data_ptr()
-    out = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, -1.0)
+    out = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, -1.0)
     if not library().kq_pack(blocks.ctypes.data, blocks.strides[0], qtype, rows.ctypes.data, len(rows),
                              ctypes.byref(out), first_row, torch.get_num_threads()):
         raise ValueError(f"kq_pack: GGML type {qtype} does not fit the form bits={bits}, offset={offset}, "
-                         f"super-blocks of {super_size}, " + ", ".join(
+                         f"super-blocks of {super_size}, lookup={lookup}, " + ", ".join(
                              f"{name} {'present' if t is not None else 'absent'}"
                              for name, t in zip(("sc", "mn", "m"), tensors[2:4] + tensors[5:])))
 
@@ -678,12 +680,12 @@ def _(x, codes, scale, low, n, amx_from):
 @torch.library.custom_op(f"{OPS}::kq_matmul", mutates_args=(), device_types="cpu")
 def _kq_matmul_op(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None, sc: torch.Tensor | None,
                   mn: torch.Tensor | None, d: torch.Tensor, m: torch.Tensor | None, n: int, bits: int, offset: int,
-                  super_size: int, m_sign: float, tile_from: int) -> torch.Tensor:
-    return KQuantMatmul((lo, hi, sc, mn, d, m), n, x.shape[1], bits, offset, super_size, m_sign)(x, tile_from)
+                  super_size: int, m_sign: float, lookup: bool, tile_from: int) -> torch.Tensor:
+    return KQuantMatmul((lo, hi, sc, mn, d, m), n, x.shape[1], bits, offset, super_size, m_sign, lookup)(x, tile_from)
 
 
 @_kq_matmul_op.register_fake
-def _(x, lo, hi, sc, mn, d, m, n, bits, offset, super_size, m_sign, tile_from):
+def _(x, lo, hi, sc, mn, d, m, n, bits, offset, super_size, m_sign, lookup, tile_from):
     return x.new_empty((x.shape[0], n))
 
 

@@ -14,9 +14,12 @@ codes, never from a requantized copy.
 Per type (bits, offset, S; sc, mn): Q4_0 4, 8, 32; Q4_1 4, 0, 32 (dmin = -m); Q5_0 5, 16, 32;
 Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4); Q3_K 4, 4, 256
 (codes 0..7: low 2 bits + 4 * hmask bit; scale - 32); Q4_K / Q5_K 4 / 5, 0, 256 (6-bit scale,
-6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales); IQ4_NL 8, 128, 32 and IQ4_XS 8, 128, 256
-(6-bit scale - 32, per 32). The IQ4 types' 4-bit codes index a table of int8 values (IQ4_VALUES),
-so they are held as those values' 8-bit codes: exact, at about twice their size in the file.
+6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales); IQ4_NL 4, 128, 32 and IQ4_XS 4, 128, 256
+(6-bit scale - 32, per 32) with `lookup`: their 4-bit codes index a table of int8 values
+(IQ4_VALUES), so the code q stands for the 8-bit code IQ4_CODES[q] = value + 128, which the
+formula takes in its place. The kernels look the codes up as they read them: an IQ4 weight is
+held at the file's 4.25-4.5 bits. Stacked with weights of other types (merged_form), IQ4 codes
+become their 8-bit codes.
 
 Decoding and packing are numpy operations over the whole tensor, never Python loops over rows
 or blocks: they are the reference. A model's weights load another way, about 3x faster (numbers
@@ -53,6 +56,7 @@ class Form:
     sc: bool
     mn: bool
     dmin: bool
+    lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q] (the module doc)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class QuantCodes:
     super_size: int  # S: 32 or 256
     offset: int
     bits: int  # 4, 5, 6 or 8
+    lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q] (the module doc)
 
     @property
     def n(self) -> int:
@@ -82,7 +87,12 @@ class QuantCodes:
     @property
     def form(self) -> Form:
         return Form(self.bits, self.offset, self.super_size, self.sc is not None, self.mn is not None,
-                    self.dmin is not None)
+                    self.dmin is not None, self.lookup)
+
+    @property
+    def codes8(self) -> np.ndarray:
+        """The codes the formula takes: q, or for a lookup form the 8-bit codes q stands for."""
+        return IQ4_CODES[self.q] if self.lookup else self.q
 
     def rows(self, index) -> QuantCodes:
         """The codes of the rows `index` (a slice, or indices in any order: a tensor-parallel
@@ -180,13 +190,14 @@ def _q8_0(b: np.ndarray):
 
 
 # IQ4_NL / IQ4_XS's 4-bit codes index this table (gguf.quants.IQ4_NL.kvalues): the value a code
-# stands for is an int8, so it is held as an 8-bit code, value + 128, like Q8_0's.
+# stands for is an int8, whose 8-bit code, value + 128 as Q8_0's, the formula takes (csrc/kernels.h's
+# IQ4_CODES).
 IQ4_VALUES = np.array(IQ4_NL.kvalues, np.int16)
-_IQ4_CODES = (IQ4_VALUES + 128).astype(np.uint8)
+IQ4_CODES = (IQ4_VALUES + 128).astype(np.uint8)
 
 
 def _iq4_nl(b: np.ndarray):
-    return _IQ4_CODES[_nibbles(b[:, 2:18]).reshape(len(b), 32)], None, None, _f16(b, 0), None
+    return _nibbles(b[:, 2:18]).reshape(len(b), 32), None, None, _f16(b, 0), None
 
 
 def _iq4_xs(b: np.ndarray):
@@ -194,7 +205,7 @@ def _iq4_xs(b: np.ndarray):
     high = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [blocks, 8]
     low = _nibbles(b[:, 4:8]).transpose(0, 2, 1).reshape(len(b), 8)  # byte i: sub-blocks 2i, 2i + 1
     sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    q = _IQ4_CODES[_nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(len(b), 256)]
+    q = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(len(b), 256)
     return q, np.repeat(sc, 2, axis=1), None, _f16(b, 0), None
 
 
@@ -210,8 +221,8 @@ _TYPES = {
     T.Q4_K: (lambda b: _q45_k(b, False), Form(4, 0, 256, sc=True, mn=True, dmin=True)),
     T.Q5_K: (lambda b: _q45_k(b, True), Form(5, 0, 256, sc=True, mn=True, dmin=True)),
     T.Q6_K: (_q6_k, Form(6, 32, 256, sc=True, mn=False, dmin=False)),
-    T.IQ4_NL: (_iq4_nl, Form(8, 128, 32, sc=False, mn=False, dmin=False)),
-    T.IQ4_XS: (_iq4_xs, Form(8, 128, 256, sc=True, mn=False, dmin=False)),
+    T.IQ4_NL: (_iq4_nl, Form(4, 128, 32, sc=False, mn=False, dmin=False, lookup=True)),
+    T.IQ4_XS: (_iq4_xs, Form(4, 128, 256, sc=True, mn=False, dmin=False, lookup=True)),
 }
 SUPPORTED = frozenset(_TYPES)
 
@@ -243,7 +254,7 @@ def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
     per_row = lambda a, width: None if a is None else np.ascontiguousarray(a).reshape(n, width)
     s = f.super_size
     return QuantCodes(q=per_row(q, k), sc=per_row(sc, k // SUB), mn=per_row(mn, k // SUB), d=per_row(d, k // s),
-                      dmin=per_row(dmin, k // s), super_size=s, offset=f.offset, bits=f.bits)
+                      dmin=per_row(dmin, k // s), super_size=s, offset=f.offset, bits=f.bits, lookup=f.lookup)
 
 
 def dequantize(c: QuantCodes) -> np.ndarray:
@@ -253,7 +264,7 @@ def dequantize(c: QuantCodes) -> np.ndarray:
     scale = np.repeat(c.d.astype(np.float32), per16, axis=1)  # [N, K / 16]
     if c.sc is not None:
         scale *= c.sc
-    w = scale[..., None] * (c.q.reshape(n, k // SUB, SUB).astype(np.float32) - np.float32(c.offset))
+    w = scale[..., None] * (c.codes8.reshape(n, k // SUB, SUB).astype(np.float32) - np.float32(c.offset))
     if c.dmin is not None:
         low = np.repeat(c.dmin.astype(np.float32), per16, axis=1)
         if c.mn is not None:
@@ -265,21 +276,27 @@ def dequantize(c: QuantCodes) -> np.ndarray:
 def merged_form(forms: list[Form]) -> Form:
     """The one form of weights stacked by rows (concat_rows): theirs where they agree, else the
     widest codes, the smallest super-block, every sub-scale and a min term, and their offset if
-    they share one (else 0: the others are folded into the min term)."""
+    they share one (else 0: the others are folded into the min term). Lookup codes stay so only
+    among lookup codes; beside others they count as 8-bit codes."""
     if len(set(forms)) == 1:
         return forms[0]
     offsets = {f.offset for f in forms}
-    return Form(bits=max(f.bits for f in forms), offset=offsets.pop() if len(offsets) == 1 else 0,
-                super_size=min(f.super_size for f in forms), sc=True, mn=True, dmin=True)
+    lookup = all(f.lookup for f in forms)
+    return Form(bits=max(8 if f.lookup and not lookup else f.bits for f in forms),
+                offset=offsets.pop() if len(offsets) == 1 else 0, super_size=min(f.super_size for f in forms),
+                sc=True, mn=True, dmin=True, lookup=lookup)
 
 
 def as_form(c: QuantCodes, form: Form) -> QuantCodes:
     """c's values in `form` (its own, or a merged_form with c among its parts): a super-block's
     factors repeat exactly over smaller ones, absent sub-scales are 1, and an offset the form
-    lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two)."""
+    lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two),
+    and lookup codes become the 8-bit codes they stand for unless the form looks them up too."""
     if c.form == form:
         return c
-    if not (form.sc and form.mn and form.dmin and form.bits >= c.bits and c.super_size % form.super_size == 0):
+    widened = c.lookup and not form.lookup
+    if not (form.sc and form.mn and form.dmin and form.bits >= (8 if widened else c.bits)
+            and c.super_size % form.super_size == 0 and (c.lookup or not form.lookup)):
         raise ValueError(f"a weight in {c.form} does not fit {form}")
     n, k = c.shape
     d = np.repeat(c.d, c.super_size // form.super_size, axis=1)
@@ -293,15 +310,15 @@ def as_form(c: QuantCodes, form: Form) -> QuantCodes:
         dmin, mn = (d.astype(np.float32) * c.offset).astype(np.float16), sc
     else:
         dmin, mn = np.zeros_like(d), np.zeros_like(sc)
-    return QuantCodes(q=c.q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=form.super_size, offset=form.offset,
-                      bits=form.bits)
+    return QuantCodes(q=c.codes8 if widened else c.q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=form.super_size,
+                      offset=form.offset, bits=form.bits, lookup=form.lookup)
 
 
 def _stacked(parts: list[QuantCodes], form: Form) -> QuantCodes:
     parts = [as_form(p, form) for p in parts]
     cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
     return QuantCodes(q=cat("q"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dmin=cat("dmin"),
-                      super_size=form.super_size, offset=form.offset, bits=form.bits)
+                      super_size=form.super_size, offset=form.offset, bits=form.bits, lookup=form.lookup)
 
 
 def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
@@ -339,6 +356,7 @@ class BlockCodes(QuantCodes):
     bits = property(lambda self: self._form.bits)
     offset = property(lambda self: self._form.offset)
     super_size = property(lambda self: self._form.super_size)
+    lookup = property(lambda self: self._form.lookup)
     q = property(lambda self: self.decoded().q)
     sc = property(lambda self: self.decoded().sc)
     mn = property(lambda self: self.decoded().mn)
@@ -413,6 +431,7 @@ class PackedCodes:
     bits: int
     offset: int
     super_size: int
+    lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q]
 
 
 def _row_blocks(a: np.ndarray) -> np.ndarray:
@@ -456,7 +475,7 @@ def pack(c: QuantCodes) -> PackedCodes:
         planes = [np.packbits(top & (1 << p), axis=-1, bitorder="little") for p in range(c.bits - 4)]
         hi = np.ascontiguousarray(np.stack(planes, axis=2))
     return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
-                       n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size)
+                       n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size, lookup=c.lookup)
 
 
 def _pack_blocks(c: BlockCodes) -> PackedCodes:
@@ -469,12 +488,12 @@ def _pack_blocks(c: BlockCodes) -> PackedCodes:
                     hi=zeros(planes, (b, g, planes, 8, 8), np.uint8), sc=zeros(f.sc, (b, g, 2, ROWS), np.int8),
                     mn=zeros(f.mn, (b, g, 2, ROWS), np.int8), d=np.zeros((b, supers, ROWS), np.float16),
                     dmin=zeros(f.dmin, (b, supers, ROWS), np.float16), n=n, k=k, bits=f.bits, offset=f.offset,
-                    super_size=f.super_size)
+                    super_size=f.super_size, lookup=f.lookup)
     tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
     first = 0
     for part in c.parts:
         cpu_kernels.kq_pack(part.blocks, int(part.qtype), part.index, tensors, n, k, f.bits, f.offset,
-                            f.super_size, first)
+                            f.super_size, first, f.lookup)
         first += len(part.index)
     return p
 
@@ -494,4 +513,4 @@ def unpack(p: PackedCodes) -> QuantCodes:
     per_sub = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 3, 1, 2).reshape(b * ROWS, -1)[:p.n])
     per_super = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1).reshape(b * ROWS, -1)[:p.n])
     return QuantCodes(q=np.ascontiguousarray(q), sc=per_sub(p.sc), mn=per_sub(p.mn), d=per_super(p.d),
-                      dmin=per_super(p.dmin), super_size=p.super_size, offset=p.offset, bits=p.bits)
+                      dmin=per_super(p.dmin), super_size=p.super_size, offset=p.offset, bits=p.bits, lookup=p.lookup)

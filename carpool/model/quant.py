@@ -131,7 +131,7 @@ def packed_kernel(codes: gguf_codes.QuantCodes) -> cpu_kernels.KQuantMatmul:
     """A GGUF tensor's codes packed for csrc/kquant.c."""
     p = gguf_codes.pack(codes)
     tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
-    return cpu_kernels.KQuantMatmul(tensors, p.n, p.k, p.bits, p.offset, p.super_size)
+    return cpu_kernels.KQuantMatmul(tensors, p.n, p.k, p.bits, p.offset, p.super_size, lookup=p.lookup)
 
 
 class QuantizedLinear(nn.Module):

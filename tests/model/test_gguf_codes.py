@@ -20,10 +20,10 @@ TYPES = sorted(SUPPORTED, key=lambda t: t.value)
 # Byte offsets of each block's fp16 fields (d, dmin), from the block structs in ggml-common.h.
 FP16_FIELDS = {T.Q4_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0]}
-# Largest code per type (2- and 3-bit codes are held as 4-bit ones; the IQ4 types' as their
-# table's largest value, 113, + 128).
+# Largest code per type (2- and 3-bit codes are held as 4-bit ones; the IQ4 types' are 4-bit
+# indices into their table).
 MAX_CODE = {T.Q4_0: 15, T.Q8_0: 255, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31, T.Q2_K: 3, T.Q3_K: 7, T.Q4_K: 15, T.Q5_K: 31,
-            T.Q6_K: 63, T.IQ4_NL: 241, T.IQ4_XS: 241}
+            T.Q6_K: 63, T.IQ4_NL: 15, T.IQ4_XS: 15}
 FIELDS = ("q", "sc", "mn", "d", "dmin")
 
 
@@ -45,7 +45,7 @@ def same_codes(a, b) -> bool:
         x, y = getattr(a, name), getattr(b, name)
         if (x is None) != (y is None) or (x is not None and (x.dtype != y.dtype or not np.array_equal(x, y))):
             return False
-    return (a.super_size, a.offset, a.bits) == (b.super_size, b.offset, b.bits)
+    return (a.super_size, a.offset, a.bits, a.lookup) == (b.super_size, b.offset, b.bits, b.lookup)
 
 
 def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
@@ -203,7 +203,8 @@ def test_wrong_byte_count_is_refused():
 
 
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_0, T.Q5_1, T.Q8_0), (T.Q3_K, T.Q2_K, T.Q5_K),
-                                   (T.Q4_1, T.Q6_K)], ids=lambda ts: "+".join(t.name for t in ts))
+                                   (T.Q4_1, T.Q6_K), (T.IQ4_XS, T.IQ4_NL), (T.IQ4_XS, T.Q5_K, T.Q6_K)],
+                         ids=lambda ts: "+".join(t.name for t in ts))
 def test_concat_rows_of_mixed_types_keeps_every_value(types):
     """Fused projections of tensors of different types: one form, each row's values unchanged
     (to fp32 rounding where an offset folds into the min term: its products are exact, their
@@ -214,3 +215,15 @@ def test_concat_rows_of_mixed_types_keeps_every_value(types):
     got = dequantize(merged)
     np.testing.assert_allclose(got, want, rtol=2 ** -22, atol=np.abs(want).max() * 2 ** -23)
     assert same_codes(unpack(pack(merged)), merged)
+
+
+def test_iq4_codes_stay_4_bit_indices():
+    """An IQ4 weight is held at 4 bits a code (table indices, looked up by the kernels), alone or
+    stacked with IQ4 weights; stacked with other types its codes become the 8-bit codes they stand for."""
+    xs, nl, q5 = (decode(random_raw(t, 16, 512, seed=i), t, (16, 512)) for i, t in enumerate((T.IQ4_XS, T.IQ4_NL, T.Q5_K)))
+    for c in (xs, nl, gguf_codes.concat_rows([xs, nl])):
+        assert c.lookup and c.bits == 4 and c.q.max() <= 15
+        assert pack(c).lo.nbytes == c.q.size // 2
+    wide = gguf_codes.concat_rows([xs, q5])
+    assert not wide.lookup and wide.bits == 8
+    np.testing.assert_array_equal(wide.q[:16], gguf_codes.IQ4_CODES[xs.q])

@@ -34,8 +34,8 @@ def raw_blocks(qtype: T, n: int, k: int, seed: int, finite: bool = False) -> np.
 
 
 def assert_same_packing(got: gguf_codes.PackedCodes, want: gguf_codes.PackedCodes) -> None:
-    assert (got.n, got.k, got.bits, got.offset, got.super_size) == (want.n, want.k, want.bits, want.offset,
-                                                                    want.super_size)
+    assert (got.n, got.k, got.bits, got.offset, got.super_size, got.lookup) == (
+        want.n, want.k, want.bits, want.offset, want.super_size, want.lookup)
     for name in PACKED:
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name

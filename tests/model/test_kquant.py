@@ -33,7 +33,7 @@ def kernel_for(codes: gguf_codes.QuantCodes) -> cpu_kernels.KQuantMatmul:
     p = gguf_codes.pack(codes)
     t = lambda a: None if a is None else torch.from_numpy(a)
     return cpu_kernels.KQuantMatmul((t(p.lo), t(p.hi), t(p.sc), t(p.mn), t(p.d), t(p.dmin)), p.n, p.k, p.bits,
-                                    p.offset, p.super_size)
+                                    p.offset, p.super_size, lookup=p.lookup)
 
 
 def random_codes(qtype: T, n: int, k: int, seed: int = 0) -> tuple[gguf_codes.QuantCodes, np.ndarray]:

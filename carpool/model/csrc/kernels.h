@@ -182,14 +182,19 @@ typedef struct {
 
 /* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
 
-/* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row. */
+/* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row; with
+   `lookup`, q = IQ4_CODES[the stored 4-bit code] (the IQ4 types' table), an 8-bit code. */
 typedef struct {
     const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
     const int8_t *sc, *mn;    /* per 16 input channels, or NULL (1) */
     const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
-    int64_t n, k, bits, offset, super_size;
+    int64_t n, k, bits, offset, super_size, lookup;
     float m_sign;
 } KQuantWeight;
+
+/* GGUF's IQ4_NL / IQ4_XS table (gguf.quants.IQ4_NL.kvalues) as 8-bit codes, value + 128: a 4-bit
+   code of those types stands for the int8 value IQ4_CODES[code] - 128. */
+static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 /* A linear layer's weight: packed for quantized_matmul (min NULL: int8), and/or in kquant.c's
    form (`tiles`: the same codes viewed so, or a GGUF's own K-quant codes with `codes` NULL), which
    runs from `tile_from` tokens (0: never; a K-quant's integer kernel below it), with an optional

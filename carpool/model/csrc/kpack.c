@@ -9,7 +9,8 @@
    super-block size, which of sc / mn / m it has) may be wider than the tensor's own: a fused
    projection (q, k, v; gate, up) is packed by one call per part into the same arrays, in the
    form gguf_codes.concat_rows gives the parts together:
-   - codes keep their value: a narrower code leaves the higher bit planes 0;
+   - codes keep their value: a narrower code leaves the higher bit planes 0; the IQ4 types'
+     codes stay 4-bit table indices in a lookup form (all parts IQ4), else become 8-bit codes;
    - d and m repeat over smaller super-blocks (a K-quant's 256 channels over 32-channel ones);
    - absent sub-scales are 1 (sc; mn where the tensor has a min term);
    - a tensor with no min term whose offset the form lacks folds it into the min term,
@@ -52,9 +53,6 @@ static const BlockType TYPES[] = {
     {23, 256, 136, 8, 128, 1, 0, 0}, /* IQ4_XS */
 };
 
-/* The IQ4 types' table (gguf_codes.IQ4_VALUES) as 8-bit codes, value + 128. */
-static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-
 /* One block, decoded: codes, sub-scales per 16 channels (1 where the type has none), d, m (the
    min term's factor, raw fp16 bits; 0 where the type has none). */
 typedef struct {
@@ -92,7 +90,12 @@ static inline void bit_rows(const uint8_t *x, uint8_t *q, int shift) {
         for (int l = 0; l < 32; l++) q[32 * b + l] |= (uint8_t)(((x[l] >> b) & 1) << shift);
 }
 
-static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
+/* A 4-bit code as itself: the IQ4 types' codes, kept as table indices for a `lookup` form. */
+static const uint8_t SAME_CODES[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* The IQ4 types' codes come out as `iq4`[table index]: their 8-bit codes (IQ4_CODES) or the
+   indices themselves (SAME_CODES). */
+static void decode_block(const BlockType *t, const uint8_t *b, const uint8_t *iq4, Block *out) {
     switch (t->qtype) {
     case 2: case 3: case 6: case 7:
         decode_legacy(b, t->has_min, t->bits == 5, out);
@@ -148,7 +151,7 @@ static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
         return;
     }
     case 20:  /* IQ4_NL: d, qs[16] (table indices, low nibbles first) */
-        for (int j = 0; j < 16; j++) out->q[j] = IQ4_CODES[b[2 + j] & 15], out->q[16 + j] = IQ4_CODES[b[2 + j] >> 4];
+        for (int j = 0; j < 16; j++) out->q[j] = iq4[b[2 + j] & 15], out->q[16 + j] = iq4[b[2 + j] >> 4];
         out->d = read16(b), out->m = 0;
         return;
     case 23: {  /* IQ4_XS: d, scales_h (2 bits per 32 channels), scales_l[4] (4 bits each), qs[128] */
@@ -158,7 +161,7 @@ static void decode_block(const BlockType *t, const uint8_t *b, Block *out) {
             out->sc[2 * i] = out->sc[2 * i + 1] = (int8_t)((low | ((high >> (2 * i)) & 3) << 4) - 32);
             const uint8_t *qs = b + 8 + 16 * i;
             for (int j = 0; j < 16; j++)
-                out->q[32 * i + j] = IQ4_CODES[qs[j] & 15], out->q[32 * i + 16 + j] = IQ4_CODES[qs[j] >> 4];
+                out->q[32 * i + j] = iq4[qs[j] & 15], out->q[32 * i + 16 + j] = iq4[qs[j] >> 4];
         }
         out->d = read16(b), out->m = 0;
         return;
@@ -210,10 +213,12 @@ int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t 
     const int64_t k = out->k, s = out->super_size;
     const int folds = t->offset == out->offset ? 0 : t->offset;  /* the offset goes into the min term */
     const int planes = out->bits > 4 && out->bits < 8 ? (int)out->bits - 4 : 0;
+    const int iq4 = t->qtype == 20 || t->qtype == 23;
     /* The form must hold the tensor's values: codes as wide, super-blocks no larger, every
        sub-scale and min term it has, and its offset kept or folded (a power of two, into a
-       form with no offset of its own). */
-    if (t->bits > out->bits || (out->bits != 8 && out->bits > 6) || k <= 0 || k % t->block_size
+       form with no offset of its own); a lookup form takes the IQ4 types' 4-bit codes alone. */
+    if ((out->lookup ? !iq4 || out->bits != 4 || out->offset != t->offset : t->bits > out->bits)
+        || (out->bits != 8 && out->bits > 6) || k <= 0 || k % t->block_size
         || (s != 32 && s != 256) || s > t->block_size || first_row < 0 || count < 0 || first_row + count > out->n
         || !out->lo || !out->d || (planes && !out->hi) || (t->has_sc && !out->sc) || (t->has_mn && !out->mn)
         || (t->has_min && !out->m)
@@ -237,7 +242,7 @@ int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t 
             for (int64_t i = 0; i < blocks_per_row; i++) {
                 if (!t->has_sc) memset(blk.sc, 1, sizeof blk.sc);
                 if (!t->has_mn) memset(blk.mn, t->has_min ? 1 : 0, sizeof blk.mn);
-                decode_block(t, src + i * t->type_size, &blk);
+                decode_block(t, src + i * t->type_size, out->lookup ? SAME_CODES : IQ4_CODES, &blk);
                 if (folds) {
                     blk.m = fold(blk.d, folds);
                     memcpy(blk.mn, blk.sc, sizeof blk.mn);

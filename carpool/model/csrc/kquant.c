@@ -4,7 +4,9 @@
 
    Every type is one form (KQuantWeight in kernels.h):
        w = (d * sc) * (q - offset) + m_sign * (m * mn)
-   q an unsigned code of 4..8 bits; sc, mn int8 per row and 16 input channels (absent: 1); d, m
+   q an unsigned code of 4..8 bits (with `lookup`, the 8-bit code a stored 4-bit one indexes in
+   the IQ4 types' table, IQ4_CODES: the kernels look it up as they unpack, and from there on
+   multiply it as 8-bit codes); sc, mn int8 per row and 16 input channels (absent: 1); d, m
    fp16 per row and super-block of 32 or 256 channels (m absent: no min term). The 4-bit plane
    is quant_gemv.c's int4 layout (16 output rows per block, 4 channels of every row per 64 bytes;
    a group of 32 channels in 256 bytes, its second 16 in the high nibbles); 5 and 6 bits add one
@@ -95,6 +97,7 @@ static float kq_value(const KQuantWeight *w, int64_t row, int64_t c) {
         const int high = within >= 16, j = (int)(within % 16) / 4;
         const uint8_t byte = w->lo[bg * 256 + j * 64 + r * 4 + within % 4];
         q = high ? byte >> 4 : byte & 15;
+        if (w->lookup) q = IQ4_CODES[q];
         const int64_t mask = high ? j + 4 : j, bit = r * 4 + within % 4;
         for (int64_t p = 0; p < plane_count(w); p++) {
             const uint8_t *plane = w->hi + (bg * plane_count(w) + p) * 64 + mask * 8;
@@ -160,6 +163,11 @@ static inline __attribute__((always_inline)) void group_codes(const KQuantWeight
         const __m512i p = _mm512_loadu_si512(w->lo + bg * 256 + j * 64);
         q[j] = _mm512_and_si512(p, nibble);
         q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+    }
+    if (w->lookup) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+        for (int j = 0; j < 8; j++) q[j] = _mm512_shuffle_epi8(table, q[j]);
+        return;
     }
     const int64_t planes = plane_count(w);
     for (int64_t p = 0; p < planes; p++) {
@@ -301,7 +309,7 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
 #define KQ_PREFETCH 4096  /* bytes ahead: a step streams its weights from DRAM */
 #define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
 
-/* Half h of a group's codes (8 vectors of 32 bytes), 8-bit codes as q - 128. */
+/* Half h of a group's codes (8 vectors of 32 bytes), 8-bit codes (and looked-up ones) as q - 128. */
 static inline __attribute__((always_inline)) void half_codes(const KQuantWeight *w, int64_t bg, int h, __m256i q[8]) {
     if (w->bits == 8) {
         const __m256i flip = _mm256_set1_epi8((char)0x80);
@@ -314,6 +322,12 @@ static inline __attribute__((always_inline)) void half_codes(const KQuantWeight 
         const __m256i p = _mm256_loadu_si256((const __m256i *)(w->lo + bg * 256 + j * 64 + 32 * h));
         q[j] = _mm256_and_si256(p, nibble);
         q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+    }
+    if (w->lookup) {  /* the table's values q - 128, as the 8-bit codes above */
+        const __m256i values = _mm256_xor_si256(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES)), _mm256_set1_epi8((char)0x80));
+        for (int j = 0; j < 8; j++) q[j] = _mm256_shuffle_epi8(values, q[j]);
+        return;
     }
     const int64_t planes = plane_count(w);
     /* a mask's 32 bits to 32 bytes: byte i takes mask byte i / 8, then tests bit i % 8 */
@@ -627,7 +641,7 @@ static void half_any(const KQuantWeight *w, const HalfActivations *a, int64_t b,
 }
 
 static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads) {
-    const int width = w->bits == 8 ? CODES_8BIT : w->bits == 6 ? CODES_6BIT : CODES_NARROW;
+    const int width = w->bits == 8 || w->lookup ? CODES_8BIT : w->bits == 6 ? CODES_6BIT : CODES_NARROW;
     const int unpacked = width != CODES_8BIT && tokens > HALF_TILE;
     /* the offset the activations' starts take out: relative to the signed codes' zero, 128 for
        8-bit codes and the centre for the unpacked form */
