@@ -65,9 +65,16 @@ class StartingEngine:
     conn: Connection
 
 
-def _engine_main(*args) -> None:
+def _engine_main(placement: tuple[str, ...], *args) -> None:
     """The engine process's entry: it imports the engine there, so the frontend starts it
-    before importing anything heavy itself."""
+    before importing anything heavy itself. Once torch's libgomp has read the `placement`
+    variables (plan_cpus), they leave the environment: another OpenMP runtime loaded later
+    (sentencepiece bundles one) would find the main thread already bound to one core, and warn
+    that its places shrank; and the engine's subprocesses (compiler workers) need not be bound."""
+    import torch  # noqa: F401  (its libgomp reads the placement as it loads)
+
+    for key in placement:
+        os.environ.pop(key, None)
     from carpool.server.engine_process import run_engine_process
 
     run_engine_process(*args)
@@ -78,10 +85,10 @@ def start_engine_process(config: EngineConfig, options: ServerOptions) -> Starti
     process's threads to the frontend's cores (plan_cpus)."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or torch state
     conn, child = context.Pipe()
-    process = context.Process(target=_engine_main, name="carpool-engine",
-                              args=(config, options.model_names(config.model)[0], options.metrics_namespace,
-                                    not options.disable_log_stats, child))
     engine_env, frontend_cpus = plan_cpus(config)
+    process = context.Process(target=_engine_main, name="carpool-engine",
+                              args=(tuple(engine_env), config, options.model_names(config.model)[0],
+                                    options.metrics_namespace, not options.disable_log_stats, child))
     saved = {k: os.environ.get(k) for k in engine_env}
     os.environ.update(engine_env)  # the spawned interpreter inherits it; libgomp reads it on load
     try:
