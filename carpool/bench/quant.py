@@ -2,7 +2,8 @@
 
 For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head) and token count,
 times carpool's quantized layers as the engine calls them (int4 / int8: csrc/quant_gemv.c at decode
-sizes; GGUF Q4_K / Q6_K: csrc/kquant.c; all three from their own codes at every size, the bf16
+sizes; GGUF Q4_K / Q6_K / IQ4_XS: csrc/kquant.c, IQ4_XS also as the 8-bit codes its values become
+beside other types; all from their own codes at every size, the bf16
 tile kernel from quant.TILE_FROM tokens), torch's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu`, and the bf16 tiles (`TiledLinear`) the engine uses for unquantized
 models where the CPU has AVX512-BF16, against bf16 `F.linear` and the oneDNN-packed `PackedLinear`
@@ -16,6 +17,7 @@ ratio to the packed bf16 GEMM, and a 16-token step's tokens/s as a ratio to a 1-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -37,7 +39,7 @@ from carpool.model.quant import QuantizedLinear
 # the two at every token count (same outputs); "bf16 tiles": the bf16 layer where the CPU has
 # AVX512-BF16 (TiledLinear), against oneDNN's packed one.
 KERNELS = ("bf16 F.linear", "bf16 packed", "bf16 tiles", "int8 torch", "int4 torch", "int8 C", "int4 C", "Q4_K C",
-           "Q6_K C", "int4 C VNNI", "int4 C AMX")
+           "Q6_K C", "IQ4_XS C", "IQ4_XS C 8-bit", "int4 C VNNI", "int4 C AMX")
 COMPARED = KERNELS[2:]  # each against the packed bf16 layer
 
 
@@ -66,10 +68,15 @@ def layer_kernels(in_features: int, out_features: int, copies: int, dtype: torch
                 kernels["int4 C VNNI"].append(functools.partial(with_c.kernel, amx_from=0))
                 kernels["int4 C AMX"].append(functools.partial(with_c.kernel, amx_from=1))
         if dtype == torch.bfloat16 and cpu_kernels.has_kq_matmul() and in_features % 256 == 0:
-            for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_XS):
+                if not any(name.startswith(qtype.name) for name in only):
+                    continue
                 codes = gguf_codes.decode(gguf_encode.quantize(linear.weight.numpy(), qtype), qtype,
                                           (out_features, in_features))
                 kernels[f"{qtype.name} C"].append(QuantizedLinear.from_codes(codes, None, dtype))
+                if codes.lookup:  # the same values as 8-bit codes, as a projection stacked with other types holds them
+                    wide = dataclasses.replace(codes, q=codes.codes8, bits=8, lookup=False)
+                    kernels[f"{qtype.name} C 8-bit"].append(QuantizedLinear.from_codes(wide, None, dtype))
         dense = linear.to(dtype).requires_grad_(False)
         kernels["bf16 F.linear"].append(dense)
         if can_pack_linears(torch.device("cpu"), dtype):

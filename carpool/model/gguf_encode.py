@@ -145,7 +145,10 @@ def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     packed 16 bytes per 32 channels (channel j in byte j's low nibble, j + 16 in its high one)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         scaled = np.where(step[..., None] != 0, x / step[..., None], 0)
-    q = np.abs(scaled[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+    q = np.empty(scaled.shape, np.uint8)
+    for at in range(0, len(x), 1 << 14):  # in slices: the distances take 16 floats per weight
+        part = scaled[at:at + (1 << 14)]
+        q[at:at + len(part)] = np.abs(part[..., None] - IQ4_VALUES).argmin(axis=-1)
     return (q[..., :16] | (q[..., 16:] << 4)).reshape(len(x), -1)
 
 
