@@ -110,14 +110,31 @@ print(before, status("VmRSS"), status("VmHWM"))
 """
 
 
-def test_loading_memory_is_a_bounded_multiple_of_the_file(q4_k_m):
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq4_xs"])
+def test_loading_memory_is_a_bounded_multiple_of_the_file(mix, request):
     """Resident memory after load within the file's size + 200 MB over the process before it
     (measured: +220 MB for a 100 MB file), and the peak while loading within 5x the file + 200 MB
     (measured: +450 MB; the transients are a tensor's codes unpacked to a byte each and numpy's
     temporaries while packing them). The embedding and a tied LM head share one packed copy."""
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, q4_k_m], capture_output=True, text=True, check=True)
+    path = request.getfixturevalue(mix)
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, path], capture_output=True, text=True, check=True)
     before, after, peak = map(int, out.stdout.split())
-    size = os.path.getsize(q4_k_m)
+    size = os.path.getsize(path)
     print(f"file {size >> 20} MB: +{(after - before) >> 20} MB after load, peak +{(peak - before) >> 20} MB")
     assert after - before <= size + (200 << 20)
     assert peak - before <= 5 * size + (200 << 20)
+
+
+def test_iq4_layers_are_held_at_the_files_size(iq4_xs):
+    """IQ4 codes stay 4-bit table indices (the kernels look them up): the layers' packed tensors
+    take at most 1.15x the bytes of their tensors in the file. Held as 8-bit codes they took 1.7x."""
+    from carpool.model.loader import load_model
+
+    model = load_model(iq4_xs, torch.bfloat16, CPU, quantization="auto")
+    linears = [m for name, m in model.named_modules() if name.startswith("layers.") and isinstance(m, QuantizedLinear)]
+    assert linears and all(m.kq is not None for m in linears)
+    assert sum(m.kq.struct.lookup for m in linears) >= len(linears) // 2
+    held = sum(t.numel() * t.element_size() for m in linears for t in m.kq.tensors if t is not None)
+    in_file = sum(t.n_bytes for t in open_gguf(iq4_xs).tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    print(f"layers: {held >> 10} KiB held for {in_file >> 10} KiB in the file")
+    assert held <= 1.15 * in_file
