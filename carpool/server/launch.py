@@ -14,6 +14,7 @@ the same way and exits 1 (as vLLM's frontend does), for a supervisor to restart 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import os
@@ -71,7 +72,7 @@ def _engine_main(placement: tuple[str, ...], *args) -> None:
     variables (plan_cpus), they leave the environment: another OpenMP runtime loaded later
     (sentencepiece bundles one) would find the main thread already bound to one core, and warn
     that its places shrank; and the engine's subprocesses (compiler workers) need not be bound."""
-    import torch  # noqa: F401  (its libgomp reads the placement as it loads)
+    importlib.import_module("torch")  # its libgomp reads the placement as it loads
 
     for key in placement:
         os.environ.pop(key, None)
