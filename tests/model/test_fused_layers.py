@@ -154,10 +154,12 @@ def test_steps_past_the_tile_kernels_threshold_equal_eager_exactly(engine, conte
 
 
 @pytest.mark.skipif(not has_kq_matmul(), reason="needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
-def test_a_k_quant_gguf_runs_fused_and_equals_eager(model_path, tmp_path):
-    """A GGUF's own K-quant codes run in the fused path too (kquant.c's kernels, both sizes)."""
-    path = str(tmp_path / "q4_k_m.gguf")
-    requantize_gguf(model_path, path, "Q4_K_M")
+@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ4_XS"])
+def test_a_k_quant_gguf_runs_fused_and_equals_eager(model_path, tmp_path, mix):
+    """A GGUF's own K-quant (or IQ4, looked up) codes run in the fused path too (kquant.c's
+    kernels, both sizes)."""
+    path = str(tmp_path / f"{mix}.gguf")
+    requantize_gguf(model_path, path, mix)
     engine = LLMEngine(model=path, dtype="bfloat16", kv_cache_memory=32 << 20)
     assert engine.model.layers[0].mlp.down_proj.kq is not None
     assert engine.runner.fused is not None
