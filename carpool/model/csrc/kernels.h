@@ -195,6 +195,7 @@ typedef struct {
 /* GGUF's IQ4_NL / IQ4_XS table (gguf.quants.IQ4_NL.kvalues) as 8-bit codes, value + 128: a 4-bit
    code of those types stands for the int8 value IQ4_CODES[code] - 128. */
 static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 /* A linear layer's weight: packed for quantized_matmul (min NULL: int8), and/or in kquant.c's
    form (`tiles`: the same codes viewed so, or a GGUF's own K-quant codes with `codes` NULL), which
    runs from `tile_from` tokens (0: never; a K-quant's integer kernel below it), with an optional
