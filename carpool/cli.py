@@ -357,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = bench.add_parser("spec", help="speculative decoding on vs off in one process: code editing, random "
                                        "prompts, a burst of edits, a draft model (tokens/s, acceptance)")
     sp.add_argument("--workloads", type=opts.str_list, default=["editing", "random", "burst", "draft"],
-                    help="comma list of editing, random, burst, draft")
+                    help="comma list of editing, random, burst, repeat, draft")
+    sp.add_argument("--method", choices=["ngram", "suffix"], default="ngram",
+                    help="the proposer of the editing, random, burst and repeat workloads")
     sp.add_argument("--num-speculative-tokens", type=opts.positive_int, default=5)
     sp.add_argument("--prompt-lookup-max", type=opts.positive_int, default=4)
     sp.add_argument("--repeats", type=opts.positive_int, default=3, help="runs per workload and mode, alternating")

@@ -211,7 +211,7 @@ def parse_memory(text: str) -> int:
     return int(float(s))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # as carpool/spec/proposers.py
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # as carpool/spec/proposers.py
 
 
 @dataclass
@@ -222,8 +222,11 @@ class SpeculativeConfig:
     and the target model scores them with the request's own token in one pass; the tokens it
     would have produced anyway are kept. ngram: the continuation of the latest earlier place
     where the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
-    occur in its prompt or output. draft_model: a smaller `model` with the same tokenizer, run
-    greedily on its own KV cache."""
+    occur in its prompt or output. suffix: that, or where longer, the most frequent continuation of
+    the context's longest suffix in a tree of recent requests' outputs (spec/suffix.py; vLLM's
+    suffix_decoding_* keys, with 100 cached requests by default where vLLM keeps 10,000: the tree
+    is Python dicts here). draft_model: a smaller `model` with the same tokenizer, run greedily on
+    its own KV cache."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
@@ -231,10 +234,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model (method draft_model): a .gguf file or HF folder
     quantization: str = "auto"  # of the draft model, as EngineConfig.quantization
+    suffix_decoding_max_tree_depth: int = 24  # method suffix: the longest run the tree holds
+    suffix_decoding_max_cached_requests: int = 100  # finished requests whose outputs it holds
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts at most this x the match's length
+    suffix_decoding_min_token_prob: float = 0.1  # a drafted token's share of its parent's count
 
     # vLLM's keys that carpool reads (an unknown key is an error, so a typo is never ignored).
     KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-            "quantization", "draft_tensor_parallel_size")
+            "quantization", "draft_tensor_parallel_size", "suffix_decoding_max_tree_depth",
+            "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+            "suffix_decoding_min_token_prob")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -246,6 +255,13 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if not (isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 2
+                and isinstance(self.suffix_decoding_max_cached_requests, int)
+                and self.suffix_decoding_max_cached_requests >= 0 and self.suffix_decoding_max_spec_factor > 0
+                and 0 <= self.suffix_decoding_min_token_prob <= 1):
+            raise ValueError("speculative_config: need suffix_decoding_max_tree_depth >= 2, "
+                             "suffix_decoding_max_cached_requests >= 0, suffix_decoding_max_spec_factor > 0 and "
+                             "suffix_decoding_min_token_prob in [0, 1]")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method draft_model needs the draft's \"model\" (a path)")
         if self.quantization not in QUANTIZATIONS:

@@ -16,6 +16,10 @@ each workload runs on both, off then on, `--repeats` times (interleaved, so both
 - burst: 16 editing requests added at once; output tokens/s over the burst (first arrival to
   last token) and the largest gap between two tokens of any request. Target: on >= 1.3x off,
   largest gap no worse.
+- repeat (not run by default): REPEAT_QUESTIONS, each asked twice in turn, one request at a
+  time, greedy, 128 tokens (at most --max-tokens): an answer given before, asked for again (an agent's loop, a retried
+  request). Its text is in no prompt, so prompt lookup finds little; `--method suffix` drafts from
+  the earlier answers (carpool/spec/suffix.py). No target.
 - draft: the target model drafting for itself (`{"method": "draft_model"}`) on the editing
   prompts, and the cost of a verification step scoring 1 + k tokens against a 1-token decode
   step (k = 0..8, the real runner on a synthetic request at the editing prompts' context).
@@ -63,7 +67,12 @@ EDIT_PROMPT = ("Edit this code: {change}. Return the complete edited code, every
                "```python\n{code}```")
 RANDOM_PROMPT_LEN = 256
 BURST_SIZE = 16
-WORKLOADS = ("editing", "random", "burst", "draft")
+WORKLOADS = ("editing", "random", "burst", "repeat", "draft")
+REPEAT_QUESTIONS = ("Write a Python function that returns the n-th Fibonacci number.",
+                    "Explain what a hash table is in three sentences.",
+                    "Write a Python function that checks whether a string is a palindrome.",
+                    "List five tips for writing readable code.")
+REPEAT_TOKENS = 128
 TARGETS = {"editing": 2.0, "random": 0.97, "burst": 1.3}
 
 
@@ -450,8 +459,8 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-def ngram_workloads(engines: dict, editing, args) -> dict:
-    """The editing, random and burst workloads that `args.workloads` names, off and on."""
+def proposer_workloads(engines: dict, editing, args) -> dict:
+    """The editing, random, burst and repeat workloads that `args.workloads` names, off and on."""
     off, w = engines["off"], {}
     if "editing" in args.workloads:
         w["editing"] = compare("editing", engines, editing, False, args.repeats, single_stream_stats)
@@ -466,6 +475,10 @@ def ngram_workloads(engines: dict, editing, args) -> dict:
     if "burst" in args.workloads:
         burst = editing_requests(off.tokenizer, args.burst_size, args.max_tokens)
         w["burst"] = compare("burst", engines, burst, True, args.repeats, burst_stats)
+    if "repeat" in args.workloads:
+        params = SamplingParams(max_tokens=min(REPEAT_TOKENS, args.max_tokens or REPEAT_TOKENS), temperature=0.0)
+        asked = [(chat_ids(off.tokenizer, q), params) for q in REPEAT_QUESTIONS] * 2
+        w["repeat"] = compare("repeat", engines, asked, False, args.repeats, single_stream_stats)
     return w
 
 
@@ -477,7 +490,7 @@ def run_spec_bench(config: EngineConfig, args) -> dict:
     if unknown:
         raise ValueError(f"--workloads: unknown {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     started = time.time()
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                              prompt_lookup_max=args.prompt_lookup_max)
     engines = {"off": LLMEngine(dataclasses.replace(config, speculative_config=None)),
                "on": LLMEngine(dataclasses.replace(config, speculative_config=spec))}
@@ -492,7 +505,7 @@ def run_spec_bench(config: EngineConfig, args) -> dict:
     }
     w = result["workloads"]
     with startup_objects_frozen():
-        w.update(ngram_workloads(engines, editing, args))
+        w.update(proposer_workloads(engines, editing, args))
     if "draft" in args.workloads:
         engines.pop("on").shutdown()  # its memory goes to the draft engine
         ngram = w.get("editing", {}).get("on", {}).get("acceptance_rate")

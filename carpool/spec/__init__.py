@@ -14,7 +14,8 @@ the token comes from the target's distribution without the draft's token. Output
 without speculation, token for token, for greedy and for seeded sampling (the request's generator
 draws once per output token either way).
 
-- proposers.py: the proposers (n-gram prompt lookup, draft model) behind one interface.
+- proposers.py: the proposers (n-gram prompt lookup, draft model) behind one interface;
+  suffix.py: suffix decoding, drafts from recent requests' outputs too.
 - acceptance.py: how many drafts a request is offered, from how its drafts have fared, and the
   counters behind the spec_decode metrics.
 """

@@ -49,6 +49,19 @@ def test_writes_json_and_plot(result):
     assert d["ngram_acceptance"] == single["acceptance_rate"] and len(d["projection_at_ngram_acceptance"]) == 8
 
 
+@pytest.mark.slow  # two engines, 16 short answers: ~15 s
+def test_repeated_questions_draft_from_earlier_answers_with_suffix(tmp_path, model_path):
+    rc = main(["bench", "spec", "--model", model_path, "--output", str(tmp_path), "--workloads", "repeat",
+               "--method", "suffix", "--max-tokens", "24", "--repeats", "1", "--kv-cache-memory", "256MiB"])
+    assert rc == 0
+    r = json.loads((tmp_path / "spec.json").read_text())
+    assert r["speculative_config"]["method"] == "suffix" and set(r["workloads"]) == {"repeat"}
+    on = r["workloads"]["repeat"]["on"]
+    assert on["requests"] == 8 and on["output_tokens"] <= 8 * 24
+    # the second time each question comes, its answer is in the tree: most of it is drafted
+    assert on["accepted_tokens"] >= 4 * 12 and on["tokens_per_step"] > 1
+
+
 def test_editing_prompts_hold_their_function(model_path):
     tokenizer = load_tokenizer(model_path)
     requests = editing_requests(tokenizer, len(EDITS) + 1)

@@ -122,7 +122,23 @@ def test_random_requests_match_no_speculation_and_free_every_block(engine_fp32, 
         assert len(tokens) <= sp.max_tokens
 
 
-@pytest.mark.parametrize("method", ["suffix", "eagle"])
+def test_suffix_drafts_from_earlier_outputs_keep_greedy_outputs(engine_fp32):
+    """Suffix decoding drafts from the outputs of requests that finished before: asked again,
+    the same prompts find their continuations in the tree, and the outputs stay the same."""
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "Write a haiku about the sea."]
+    off = outputs(generate(engine_fp32, prompts, sp))
+    with speculating(engine_fp32, 4, method="suffix") as engine:
+        first = outputs(generate(engine, prompts, sp))
+        accepted_first = engine.spec_stats.num_accepted_tokens
+        again = outputs(generate(engine, prompts, sp))
+        accepted_again = engine.spec_stats.num_accepted_tokens - accepted_first
+        assert engine.block_manager.holders() == {}
+    assert first == off and again == off
+    assert accepted_again > accepted_first and accepted_again >= len(prompts) * 12
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_unsupported_methods_are_refused_by_name(engine_fp32, method):
     from carpool.config import SpeculativeConfig
 
