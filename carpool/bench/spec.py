@@ -17,9 +17,9 @@ each workload runs on both, off then on, `--repeats` times (interleaved, so both
   last token) and the largest gap between two tokens of any request. Target: on >= 1.3x off,
   largest gap no worse.
 - repeat (not run by default): REPEAT_QUESTIONS, each asked twice in turn, one request at a
-  time, greedy, 128 tokens (at most --max-tokens): an answer given before, asked for again (an agent's loop, a retried
-  request). Its text is in no prompt, so prompt lookup finds little; `--method suffix` drafts from
-  the earlier answers (carpool/spec/suffix.py). No target.
+  time, greedy, 128 tokens (at most --max-tokens): an answer given before, asked for again (an
+  agent's loop, a retried request). Its text is in no prompt, so prompt lookup finds little;
+  `--method suffix` drafts from the earlier answers (carpool/spec/suffix.py). No target.
 - draft: the target model drafting for itself (`{"method": "draft_model"}`) on the editing
   prompts, and the cost of a verification step scoring 1 + k tokens against a 1-token decode
   step (k = 0..8, the real runner on a synthetic request at the editing prompts' context).

@@ -11,8 +11,8 @@ most `max_spec_factor` x the match's length. Its own prompt and output are searc
 lookup searches them, and the longer of the two matches gives the draft (its own on a tie).
 
 The tree holds Python dicts: a 400-token output of distinct runs takes ~2.6 MB at depth 24, and
-adding it 12.5 ms (a 2-core AMD EPYC Zen 3, quiet), hence a smaller default cache than vLLM's, and edits
-spread over the steps that follow: each step adds or removes the runs of at most
+adding it 12.5 ms (a 2-core AMD EPYC Zen 3, quiet). Hence a smaller default cache than vLLM's,
+and edits spread over the steps that follow: each step adds or removes the runs of at most
 EDIT_STARTS_PER_STEP start positions, so a finished request never stalls the others' next token.
 """
 
