@@ -2,7 +2,8 @@
 # carpool against llama.cpp and vLLM-CPU (../shared/peers kits), one server at a time on a quiet machine.
 # Usage: PEERS_OUT=DIR benchmarks/peers.sh OUT, DIR holding llama1b/ (random_llama.py), llama1b-bf16.gguf,
 # llama1b-q4_k_m.gguf (llama.cpp convert + llama-quantize), llama1b-iq4_xs.gguf (llama-quantize ... IQ4_XS; for the
-# iq4xs steps) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps;
+# iq4xs steps) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps; the big-* steps serve one stream
+# of BIG_GGUF (e.g. `python -m carpool.model.gguf_encode random:llama-3.1-8b FILE`);
 # LLAMA_EXTRA adds llama-server flags (--no-repack where its AMX repacking crashes on Q4_1).
 set -uo pipefail
 OUT="$1"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -59,6 +60,8 @@ for step in ${STEPS:-q4km-carpool q4km-llama q4km-carpool-fixed bf16-carpool bf1
     q4km-llama) llama_run q4km-llama $Q4KM both ;;
     iq4xs-carpool) carpool_run iq4xs-carpool $IQ4XS single ;;
     iq4xs-llama) llama_run iq4xs-llama $IQ4XS single ;;
+    big-carpool) carpool_run big-carpool "${BIG_GGUF:?set BIG_GGUF}" single ;;
+    big-llama) llama_run big-llama "${BIG_GGUF:?set BIG_GGUF}" single ;;
     bf16-carpool) carpool_run bf16-carpool $BF16 single ;;
     bf16-llama) llama_run bf16-llama $BF16 single ;;
     bf16-vllm) vllm_run bf16-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b single ;;

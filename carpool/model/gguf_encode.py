@@ -345,14 +345,95 @@ def requantize_gguf(src: str, dst: str, mix: str) -> dict[str, str]:
     return {name: qtype.name for name, qtype in plan.items()}
 
 
+# Llama-family shapes for `random_gguf`: hidden, FFN, layers, heads, KV heads, tied embeddings.
+RANDOM_SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, True),
+    "llama-3.2-3b": (3072, 8192, 28, 24, 8, True),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, False),
+}
+
+
+def random_gguf(dst: str, shape: str | tuple[int, int, int, int, int, bool], mix: str, tokenizer_from: str,
+                seed: int = 0) -> dict[str, str]:
+    """A random-weight Llama GGUF of a real model's `shape` (a RANDOM_SHAPES name, or such a tuple)
+    in llama-quantize's `mix`,
+    with the tokenizer and chat template of the GGUF `tokenizer_from` (its vocabulary sets the
+    embedding's rows): speed and memory measurements at sizes no download can give here. Each
+    (shape, type) is quantized once and its bytes written for every tensor that has it, so an 8B
+    file takes a minute; the layers read distinct copies all the same. Returns {tensor: type}."""
+    hidden, ffn, n_layers, heads, kv_heads, tied = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
+    source = GGUFReader(tokenizer_from)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    head_dim = hidden // heads
+    writer = GGUFWriter(dst, "llama")
+    writer.add_name(f"random {shape}" if isinstance(shape, str) else "random")
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+
+    tensors = {"token_embd.weight": (vocab, hidden)}
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        tensors |= {b + "attn_norm.weight": (hidden,), b + "attn_q.weight": (heads * head_dim, hidden),
+                    b + "attn_k.weight": (kv_heads * head_dim, hidden), b + "attn_v.weight": (kv_heads * head_dim, hidden),
+                    b + "attn_output.weight": (hidden, heads * head_dim), b + "ffn_norm.weight": (hidden,),
+                    b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden),
+                    b + "ffn_down.weight": (hidden, ffn)}
+    tensors["output_norm.weight"] = (hidden,)
+    if not tied:
+        tensors["output.weight"] = (vocab, hidden)
+    plan = {name: T[tensor_type(name, dims, mix, n_layers, n_gqa=heads // kv_heads, tied_output=tied)]
+            for name, dims in tensors.items()}
+    rng = np.random.default_rng(seed)
+    data: dict[tuple, np.ndarray] = {}
+    for name, dims in tensors.items():
+        qtype = plan[name]
+        if (dims, qtype) not in data:
+            if qtype == T.F32:  # norms
+                data[dims, qtype] = np.ones(dims, np.float32)
+            else:
+                w = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
+                data[dims, qtype] = w.astype(np.float16) if qtype == T.F16 else quantize(w, qtype)
+        raw = data[dims, qtype]
+        writer.add_tensor_info(name, raw.shape, raw.dtype, raw.nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims in tensors.items():
+        writer.write_tensor_data(data[dims, plan[name]])
+    writer.close()
+    return {name: qtype.name for name, qtype in plan.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m carpool.model.gguf_encode",
-                                     description="Requantize a GGUF into a llama-quantize mix (numpy, no llama.cpp).")
-    parser.add_argument("src", help="input .gguf (any tensor types)")
+    parser = argparse.ArgumentParser(
+        prog="python -m carpool.model.gguf_encode",
+        description="Requantize a GGUF into a llama-quantize mix, or write a random-weight one (numpy, no llama.cpp).")
+    parser.add_argument("src", help="input .gguf (any tensor types), or random:SHAPE for random weights in "
+                                    f"one of {', '.join(RANDOM_SHAPES)} with the embedded model's tokenizer")
     parser.add_argument("dst", help="output .gguf")
     parser.add_argument("--mix", default="Q4_K_M", choices=list(LLAMA_CPP_MIXES), help="llama-quantize type mix")
     args = parser.parse_args(argv)
-    types = requantize_gguf(args.src, args.dst, args.mix)
+    if args.src.startswith("random:"):
+        from carpool.config import default_model_path
+        shape = args.src.removeprefix("random:")
+        if shape not in RANDOM_SHAPES:
+            parser.error(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+        types = random_gguf(args.dst, shape, args.mix, default_model_path())
+    else:
+        types = requantize_gguf(args.src, args.dst, args.mix)
     for name, count in sorted(Counter(types.values()).items()):
         print(f"{name:6} {count:4d} tensors")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from carpool.config import default_model_path
 from carpool.model import gguf_codes
-from carpool.model.gguf_encode import LLAMA_CPP_MIXES, main, quantize, requantize_gguf, tensor_type
+from carpool.model.gguf_encode import LLAMA_CPP_MIXES, main, quantize, random_gguf, requantize_gguf, tensor_type
 from tests.helpers import examples
 
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -339,3 +339,25 @@ def test_requantize_embedded_model(tmp_path):
     assert types["token_embd.weight"] == "Q8_0"
     assert Counter(types.values()) == {"Q5_0": 166, "F32": 61, "Q4_K": 16, "Q8_0": 15, "Q6_K": 14}
     check_requantized(src, dst, types, "Q4_K_M")
+
+
+@pytest.mark.slow  # ~6 s: the embedded model's tokenizer read twice, an engine built
+def test_random_model_in_a_mix_loads_and_runs(tmp_path):
+    """random:SHAPE files (benchmarks at 1-8B): llama-quantize's types, the embedded tokenizer, and
+    a model carpool loads as the shape says and runs."""
+    from carpool import LLM, SamplingParams
+    dst = str(tmp_path / "random.gguf")
+    shape = (256, 512, 4, 4, 2, False)  # hidden, FFN, layers, heads, KV heads, tied
+    types = random_gguf(dst, shape, "Q4_K_M", default_model_path())
+    reader = GGUFReader(dst)
+    assert {t.name: t.tensor_type.name for t in reader.tensors} == types
+    assert types["output.weight"] == "Q6_K" and types["blk.1.ffn_gate.weight"] == "Q4_K"
+    more_bits = (2, 3)  # of 4 layers: llama.cpp's last eighth and every third
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(4)] == ["Q6_K" if i in more_bits else "Q4_K"
+                                                                   for i in range(4)]
+    llm = LLM(model=dst, max_model_len=64, kv_cache_memory=2**24)
+    config = llm.llm_engine.model_config
+    assert (config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads,
+            config.num_kv_heads, config.vocab_size) == (256, 512, 4, 4, 2, 49152)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
