@@ -83,7 +83,7 @@ _WHY = {
                 "enable_log_outputs"),
     "Scheduling": ("carpool's schedulers are chosen with --scheduler (chunked prefill always on)",
                    "max_num_partial_prefills max_long_partial_prefills long_prefill_token_threshold "
-                   "num_lookahead_slots scheduling_policy disable_hybrid_kv_cache_manager async_scheduling "
+                   "num_lookahead_slots scheduling_policy async_scheduling "
                    "num_scheduler_steps multi_step_stream_outputs use_v2_block_manager disable_async_output_proc "
                    "scheduler_delay_factor enable_chunked_prefill"),
     "Rope": ("the model file's own settings are used", "rope_scaling rope_theta hf_overrides "
@@ -118,7 +118,7 @@ SWITCHES = frozenset(
     "disable_nccl_for_dp_synchronization enable_eplb eplb_log_balancedness ray_workers_use_nsight "
     "disable_custom_all_reduce enable_multimodal_encoder_data_parallel calculate_kv_scales kv_sharing_fast_prefill "
     "enable_mm_embeds disable_mm_preprocessor_cache interleave_mm_strings skip_mm_profiling enable_lora "
-    "fully_sharded_loras disable_chunked_mm_input disable_hybrid_kv_cache_manager async_scheduling "
+    "fully_sharded_loras disable_chunked_mm_input async_scheduling "
     "aggregate_engine_logging headless trust_request_chat_template enable_ssl_refresh "
     "disable_frontend_multiprocessing enable_request_id_headers exclude_tools_when_tool_choice_none "
     "enable_server_load_tracking enable_force_include_usage enable_log_outputs log_error_stack tokens_only "

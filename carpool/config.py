@@ -320,6 +320,10 @@ class EngineConfig:
     # Reuse the KV of full blocks whose whole prefix was computed before (core/block_manager.py).
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes computed before (default: on)"})
+    # Sliding-window layers beside full-attention ones (Gemma 2, 3) keep only their window's KV
+    # (core/block_manager.py); vLLM's flag of the same name turns that off.
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={
+        "help": "keep every layer's KV for the whole context, sliding-window layers' too (default: off)"})
     # Sarathi with a latency target (core/scheduler.py SloSarathiScheduler); read it as
     # `target_tbt`. None: the scheduler's default (sarathi: DEFAULT_TARGET_TBT_MS, a comfort
     # level that yields to a model too slow for it; the others: none); 0: the fixed budget; a

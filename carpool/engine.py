@@ -90,7 +90,14 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block "
                              f"({per_token * config.block_size} bytes each)")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        layout = ex.kv_layout
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=layout and layout.window,
+                                          window_tables=layout.window_tables if layout else 0,
+                                          max_step_tokens=config.max_num_batched_tokens)
+        if self.block_manager.capacity_tokens < config.block_size:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds {num_blocks} blocks, fewer than the "
+                             f"{self.block_manager.window_reserve} a step's sliding windows take")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings,
                                  self.block_manager.capacity_tokens)
@@ -114,10 +121,12 @@ class LLMEngine:
         self.spec_config = config.speculative_config
         self.spec_stats = SpecDecodeStats()
         self.proposer = None if self.spec_config is None else make_proposer(self.spec_config, self)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s); max_model_len %d",
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB%s, %s%s); max_model_len %d",
                  num_blocks, config.block_size, self.block_manager.capacity_tokens,
                  num_blocks * config.block_size * per_token / 2**20,
-                 " per worker" if config.world_size > 1 else "", self.dtype, self.max_model_len)
+                 " per worker" if config.world_size > 1 else "", self.dtype,
+                 f"; sliding layers hold their {layout.window}-token window" if layout and layout.window else "",
+                 self.max_model_len)
         if config.target_tbt is not None and not config.cost_profile:
             self._calibrate_step_cost()
 

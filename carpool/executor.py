@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from carpool.config import EngineConfig, ModelConfig
-from carpool.core.scheduler import ScheduledBatch
+from carpool.core.scheduler import SCHEDULERS, ScheduledBatch
 from carpool.model.loader import is_gguf, load_model, open_gguf
-from carpool.model_runner import ModelRunner, kv_bytes_per_token
+from carpool.model_runner import KVLayout, ModelRunner, kv_bytes_per_token
 
 
 class ExecutorError(RuntimeError):
@@ -31,7 +31,8 @@ class Executor(Protocol):
     max_in_flight: int  # micro-batches submitted before the oldest must be collected (PP stages)
     num_local_processes: int  # processes on this host: they share its RAM for KV caches
     model_config: ModelConfig
-    kv_bytes_per_token: int  # of the largest KV shard; every rank holds the same number of blocks
+    kv_bytes_per_token: int  # a block's bytes over its tokens, of the largest KV shard; every rank holds as many blocks
+    kv_layout: KVLayout | None  # which table and cache slice each layer uses; None: a table for all, a slice each
     gguf_reader: Any | None  # the open GGUF file, for the tokenizer
     model: nn.Module  # this process's model (the whole model, or the driver's shard)
     runner: ModelRunner | None  # this process's runner, once init_kv_cache has run
@@ -62,13 +63,15 @@ class UniprocExecutor:
         self.model = load_model(config.model, dtype, device, gguf_reader=self.gguf_reader,
                                 quantization=config.quantization)
         self.model_config = self.model.config
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        windowed = SCHEDULERS[config.scheduler].steps_within_budget and not config.disable_hybrid_kv_cache_manager
+        self.kv_layout = KVLayout.of(self.model_config) if windowed else KVLayout.plain(self.model_config.num_layers)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, self.kv_layout.num_slices)
         self.runner: ModelRunner | None = None
         self._queue: deque[ScheduledBatch] = deque()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device, self.dtype,
-                                  enforce_eager=self.config.enforce_eager)
+                                  enforce_eager=self.config.enforce_eager, layout=self.kv_layout)
 
     @property
     def num_in_flight(self) -> int:

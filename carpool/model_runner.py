@@ -28,6 +28,17 @@ log = logging.getLogger("carpool")
 
 
 @dataclass
+class WindowPlan:
+    """A step's KV addresses in one of its requests' window tables (KVLayout): StepPlan's
+    table-dependent fields, for the sliding layers that read it."""
+
+    slot_mapping: np.ndarray
+    decode_tables: list[list[int]]
+    prefill_tables: list[list[int]]  # one per StepPlan.prefills entry
+    fresh_tails: list[np.ndarray]
+
+
+@dataclass
 class StepPlan:
     """One batch as plain arrays (the 'batch plan' a parallel engine sends to every worker)."""
 
@@ -40,6 +51,7 @@ class StepPlan:
     sample_rows: list[int]  # rows whose logits are sampled (a decode with k drafts: k + 1 rows)
     fresh_tails: list[np.ndarray]  # unwritten slots of blocks this step starts filling: zeroed first
     prompt_logprob_rows: list[int] = field(default_factory=list)  # rows scoring prompt tokens
+    windows: list[WindowPlan] = field(default_factory=list)  # one per window table (KVLayout)
 
     @property
     def num_tokens(self) -> int:
@@ -57,24 +69,68 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, num_layers: int 
     return 2 * layers * (config.num_kv_heads // tp_size) * config.head_dim * dtype.itemsize
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """Which slice of the KV cache and which block table each local layer uses: a slice each and
+    the requests' block tables, except where sliding-window layers sit beside full-attention ones
+    (Gemma 2, 3; core/block_manager.py). A block then holds as many layers as attend fully, and
+    the sliding layers, in groups of that many, each read one of the requests' window tables:
+    sliding layer j (counted among the sliding ones) reads window table j // g in slice j % g."""
+
+    num_slices: int  # layers a block holds
+    tables: tuple[int, ...]  # per local layer: 0 the block table, t >= 1 window table t - 1
+    slices: tuple[int, ...]  # per local layer: its slice of the cache
+    window: int | None = None  # the sliding layers' window; None: one table for every layer
+
+    @property
+    def window_tables(self) -> int:
+        return max(self.tables, default=0)
+
+    @classmethod
+    def plain(cls, num_layers: int) -> KVLayout:
+        return cls(num_layers, (0,) * num_layers, tuple(range(num_layers)))
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> KVLayout:
+        """The windowed layout for a whole model with both kinds of layers, else the plain one."""
+        sliding = set(config.sliding_layers) if config.sliding_window else set()
+        full = [i for i in range(config.num_layers) if i not in sliding]
+        if not sliding or not full:
+            return cls.plain(config.num_layers)
+        g, tables, slices = len(full), [], []
+        counts = [0, 0]  # full, sliding layers so far
+        for i in range(config.num_layers):
+            j = counts[i in sliding]
+            counts[i in sliding] += 1
+            tables.append(1 + j // g if i in sliding else 0)
+            slices.append(j % g)
+        return cls(g, tuple(tables), tuple(slices), config.sliding_window)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, enforce_eager: bool = True):
+                 device: torch.device, dtype: torch.dtype, enforce_eager: bool = True,
+                 layout: KVLayout | None = None):
         self.model = model
+        self.layout = layout or KVLayout.plain(model.num_local_layers)
         if device.type == "cpu" and dtype == torch.bfloat16:
             pack_linears_for_cpu(model)  # bf16 tiles or oneDNN's packed layers, where the CPU has either
         self.block_size = block_size
         self.device = device
         self.decode_kernel = has_decode_kernel(device, dtype)  # else SDPA over gathered blocks
         attn = model.layers[0].self_attn
-        # [layers, K/V, slots, kv_heads, head_dim]: a slot is one token's KV in one layer; block b
-        # is slots [b * block_size, (b + 1) * block_size). Slots are written before they are read,
-        # so the cache starts uninitialised (fast), except one extra zeroed block at the end that
-        # padded block tables point at.
+        # [slices, K/V, slots, kv_heads, head_dim]: a slot is one token's KV in one slice (a layer,
+        # or with KVLayout's windows a layer of each group); block b is slots [b * block_size,
+        # (b + 1) * block_size). Slots are written before they are read, so the cache starts
+        # uninitialised (fast), except one extra zeroed block at the end that padded block tables
+        # point at.
         self.pad_block = num_blocks
-        self.kv_cache = torch.empty(model.num_local_layers, 2, (num_blocks + 1) * block_size,
+        self.kv_cache = torch.empty(self.layout.num_slices, 2, (num_blocks + 1) * block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         self.kv_cache[:, :, num_blocks * block_size:].zero_()
+        # What the layers index by layer: the cache itself, or each layer's slice.
+        self.layer_caches = (self.kv_cache if self.layout.window is None
+                             else [self.kv_cache[s] for s in self.layout.slices])
         # The other paths through the layers (model/paths.py), built once the weights are final;
         # None where they do not apply.
         self.compiled: CompiledLayers | None = None
@@ -125,82 +181,102 @@ class ModelRunner:
         worker of a parallel engine: the driver computes it once and sends it as is."""
         ids: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[tuple[int, int, int, list[int] | None]] = []
+        prefills: list[tuple[int, int, int]] = []  # (row, end row, cached tokens)
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
-        fresh_tails: list[np.ndarray] = []
+        # Per table (the block table, then any window tables): slots, decode and prefill tables, fresh tails.
+        tables = [WindowPlan(np.empty(0, np.int64), [], [], []) for _ in range(1 + self.layout.window_tables)]
+        slots: list[list[np.ndarray]] = [[] for _ in tables]
         bs = self.block_size
         for req, n, drafts in zip(batch.requests, batch.num_tokens, batch.drafts):
             start = req.num_computed_tokens
             ctx = start + n
             row = len(ids)
-            if ctx % bs and (ctx - 1) // bs * bs >= start:
-                # This step starts the block holding token ctx-1. Attention reads that block whole
-                # (masked) and 0 x NaN is NaN, so its unwritten slots must not hold stale garbage.
-                fresh_tails.append(self.slots_for(req.block_ids, ctx, blocks_for(ctx, bs) * bs))
+            # This step starts the block holding token ctx-1? Attention reads that block whole
+            # (masked) and 0 x NaN is NaN, so its unwritten slots must not hold stale garbage.
+            fresh = ctx % bs and (ctx - 1) // bs * bs >= start
+            for plan, table, written in zip(tables, (req.block_ids, *req.window_block_ids), slots):
+                if fresh:
+                    plan.fresh_tails.append(self.slots_for(table, ctx, blocks_for(ctx, bs) * bs))
+                written.append(self.slots_for(table, start, ctx))
+                if req.is_decode:
+                    # A decode with k drafts is k + 1 decode rows over one block table: row j sees
+                    # the context up to its own token (the step writes every row's KV before any
+                    # layer attends), so it runs in the batched decode attention, not as a chunk.
+                    plan.decode_tables.extend([table[:blocks_for(ctx, bs)]] * n)
+                else:
+                    plan.prefill_tables.append(table[:blocks_for(ctx, bs)])
             ids.extend(req.token_ids[start:ctx - len(drafts)])
             ids.extend(drafts)
             positions.append(np.arange(start, ctx))
-            slots.append(self.slots_for(req.block_ids, start, ctx))
             if req.is_decode:
-                # A decode with k drafts is k + 1 decode rows over one block table: row j sees
-                # the context up to its own token (the step writes every row's KV before any
-                # layer attends), so it runs in the batched decode attention, not as a chunk.
-                table = req.block_ids[:blocks_for(ctx, bs)]
-                decode_tables.extend([table] * n)
                 decode_lens.extend(range(start + 1, ctx + 1))
             else:
-                prefills.append((row, row + n, start, req.block_ids[:blocks_for(ctx, bs)]))
+                prefills.append((row, row + n, start))
             if ctx - len(drafts) == req.num_tokens:  # its last token and each draft are scored
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
             prompt_rows.extend(row + p - start for p in req.prompt_logprob_positions(n))
-        return StepPlan(ids, np.concatenate(positions), np.concatenate(slots), decode_tables, decode_lens,
-                        prefills, sample_rows, fresh_tails, prompt_rows)
+        for plan, written in zip(tables, slots):
+            plan.slot_mapping = np.concatenate(written)
+        own, *windows = tables
+        return StepPlan(ids, np.concatenate(positions), own.slot_mapping, own.decode_tables, decode_lens,
+                        [(*p, table) for p, table in zip(prefills, own.prefill_tables)], sample_rows,
+                        own.fresh_tails, prompt_rows, windows)
 
     def clear_fresh_tails(self, plan: StepPlan) -> None:
         """Zero the not-yet-written slots of blocks the plan starts (the cache is allocated
         uninitialised, and freed blocks keep old KV)."""
-        if plan.fresh_tails:
-            slots = torch.from_numpy(np.concatenate(plan.fresh_tails)).to(self.device)
+        tails = [t for tails in (plan.fresh_tails, *(w.fresh_tails for w in plan.windows)) for t in tails]
+        if tails:
+            slots = torch.from_numpy(np.concatenate(tails)).to(self.device)
             self.kv_cache.index_fill_(2, slots, 0)
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of a plan, on this runner's device."""
-        dev, bs = self.device, self.block_size
-        prefills: list[PrefillChunk] = []
-        for row, end, start, table in plan.prefills:
-            if start == 0:  # nothing cached: causal attention over the chunk alone
-                prefills.append(PrefillChunk(row, end, None, None))
-            else:
-                mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
-                prefills.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev)))
-        tables = lens = mask = None
-        if plan.decode_tables:
-            width = max(len(t) for t in plan.decode_tables)
-            tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in plan.decode_tables], device=dev)
-            lens = torch.tensor(plan.decode_lens, device=dev)
-            if not self.decode_kernel:
-                mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(plan.slot_mapping).to(dev),
-            block_size=bs,
-            num_decodes=len(plan.decode_tables),
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            decode_mask=mask,
-            prefills=prefills,
-        )
+        dev = self.device
+        meta = self.metadata(plan.slot_mapping, plan.decode_tables, plan.decode_lens, plan.prefills)
         decodes = decode_runs(plan.decode_tables, plan.decode_lens)
         drafts = len(decodes) < len(plan.decode_tables)
         if drafts or (plan.prefills and self.fused is not None and plan.num_tokens <= self.fused.max_tokens):
             meta.runs = query_runs(plan.decode_tables, plan.decode_lens, plan.prefills, self.pad_block, dev, decodes)
             meta.num_decode_runs = len(decodes) if drafts else 0
+        if plan.windows:
+            windows = [meta] + [self.metadata(w.slot_mapping, w.decode_tables, plan.decode_lens,
+                                              [(*p[:3], t) for p, t in zip(plan.prefills, w.prefill_tables)])
+                                for w in plan.windows]
+            meta.per_layer = [windows[t] for t in self.layout.tables]
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.from_numpy(plan.positions).to(dev)
         return input_ids, pos, meta
+
+    def metadata(self, slot_mapping: np.ndarray, decode_tables: list[list[int]], decode_lens: list[int],
+                 prefills: list[tuple[int, int, int, list[int]]]) -> AttentionMetadata:
+        """Attention metadata over one set of block tables."""
+        dev, bs = self.device, self.block_size
+        chunks: list[PrefillChunk] = []
+        for row, end, start, table in prefills:
+            if start == 0:  # nothing cached: causal attention over the chunk alone
+                chunks.append(PrefillChunk(row, end, None, None))
+            else:
+                mask = torch.arange(len(table) * bs)[None, :] <= torch.arange(start, start + end - row)[:, None]
+                chunks.append(PrefillChunk(row, end, torch.tensor(table, device=dev), mask.to(dev)))
+        tables = lens = mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [self.pad_block] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            if not self.decode_kernel:
+                mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_size=bs,
+            num_decodes=len(decode_tables),
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            decode_mask=mask,
+            prefills=chunks,
+        )
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids and positions, attention metadata, and the row of each request's last
@@ -240,7 +316,7 @@ class ModelRunner:
         """Hidden states after this rank's layers (normed on the last stage), down the step's path."""
         path = self.path(len(positions), meta)
         if path is Path.EAGER:
-            return self.model(input_ids, positions, self.kv_cache, meta, hidden, paged_attention)
+            return self.model(input_ids, positions, self.layer_caches, meta, hidden, paged_attention)
         x, cos, sin = self.model.layer_inputs(input_ids, positions, hidden)
         if path is Path.FUSED:
             return self.fused(x, cos, sin, self.kv_cache, meta)

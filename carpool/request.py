@@ -45,6 +45,8 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
+    # Sliding-window layers' tables, parallel to block_ids (core/block_manager.py); [] without.
+    window_block_ids: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     num_preemptions: int = 0

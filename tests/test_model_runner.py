@@ -97,3 +97,25 @@ def test_the_engines_prefix_cache_is_dropped_after_scheduler_config(engine_fp32,
     with scheduler_config(engine_fp32) as engine, nan_in_unwritten_blocks(engine):
         run_greedy(engine, pieces[:1], 1)  # every block but this request's is NaN now
     assert run_greedy(engine_fp32, [chat], 8) == want
+
+
+def _config(num_layers: int, sliding: list[int], window: int | None = 512):
+    from carpool.config import ModelConfig
+    return ModelConfig("Gemma3ForCausalLM", 64, 16, 32, num_layers, 2, 1, 8, 1e-6, 1e4, 4096, True,
+                       sliding_window=window, sliding_layers=sliding)
+
+
+def test_kv_layout_groups_sliding_layers_by_the_global_ones():
+    """A block holds the global layers' count of layers; the sliding ones fill window tables of
+    that many, in order (Gemma 3 1B: 26 layers, every sixth global; Gemma 2: every other)."""
+    from carpool.model_runner import KVLayout
+    gemma3 = KVLayout.of(_config(26, [i for i in range(26) if (i + 1) % 6]))
+    assert (gemma3.num_slices, gemma3.window_tables, gemma3.window) == (4, 6, 512)
+    assert gemma3.tables == (1, 1, 1, 1, 2, 0, 2, 2, 2, 3, 3, 0, 3, 3, 4, 4, 4, 0, 4, 5, 5, 5, 5, 0, 6, 6)
+    assert gemma3.slices == (0, 1, 2, 3, 0, 0, 1, 2, 3, 0, 1, 1, 2, 3, 0, 1, 2, 2, 3, 0, 1, 2, 3, 3, 0, 1)
+    # each (table, slice) is one layer's own
+    assert len(set(zip(gemma3.tables, gemma3.slices))) == 26
+    gemma2 = KVLayout.of(_config(4, [0, 2]))
+    assert (gemma2.num_slices, gemma2.tables, gemma2.slices) == (2, (1, 0, 1, 0), (0, 0, 1, 1))
+    for plain in (_config(4, [0, 1, 2, 3]), _config(4, []), _config(4, [0, 2], window=None)):
+        assert KVLayout.of(plain) == KVLayout.plain(4)

@@ -106,6 +106,9 @@ class Scheduler:
     """Shared state and primitives; subclasses implement `schedule`."""
 
     name = "base"
+    # Whether a step never gives one request more than the token budget (chunked prompts, no
+    # reservation ahead): sliding-window layers' KV is then bounded per request (BlockManager).
+    steps_within_budget = False
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int | None = None):
@@ -326,6 +329,7 @@ class SarathiScheduler(Scheduler):
     in-progress prefills, then admit new prompts FCFS, each chunk cut to the budget left."""
 
     name = "sarathi"
+    steps_within_budget = True
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -357,6 +361,7 @@ class SloSarathiScheduler(SarathiScheduler):
     decodes that alone fill the target keep every prompt waiting until they finish."""
 
     name = "sarathi"
+    steps_within_budget = True
     MIN_CHUNK = 16  # the first chunk of a step without decodes, even when the target is unreachable
 
     def __init__(self, *args, target_tbt: float, cost: StepCostModel | None = None,
@@ -476,6 +481,7 @@ class ChunkedOnlyScheduler(Scheduler):
     """Ablation: chunked prefill without mixing; prefill-chunk and decode iterations alternate."""
 
     name = "chunked-only"
+    steps_within_budget = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -168,6 +168,7 @@ class MultiprocExecutor:
             raise
         self.model = self.worker.model
         self.model_config = cfg = self.model.config
+        self.kv_layout = None  # the plain one: windowed tables are not sent to workers
         self.kv_bytes_per_token = max(kv_bytes_per_token(cfg, dtype, last - first, layout.tensor_parallel_size)
                                       for first, last in layout.layer_ranges(cfg.num_layers))
         log.info("%d workers: tensor parallel %d x pipeline parallel %d (stages of %s layers)",

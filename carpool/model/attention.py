@@ -111,6 +111,9 @@ class AttentionMetadata:
     num_decode_runs: int = 0  # the first runs of `runs`: the decodes'
     # masked_paged_attention's masks by window (None: causal only), built at the first layer.
     masks: dict[int | None, StepMasks] = field(default_factory=dict, repr=False)
+    # Each local layer's metadata where sliding-window layers read tables of their own
+    # (model_runner.KVLayout); None: this one for every layer.
+    per_layer: list[AttentionMetadata] | None = field(default=None, repr=False)
 
 
 @dataclass

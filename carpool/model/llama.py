@@ -419,15 +419,16 @@ class LlamaModel(nn.Module):
         return self.last_layer - self.first_layer
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None, attend: AttendFn = paged_attention) -> torch.Tensor:
-        """kv_cache: [local_layers, 2, num_slots, kv_heads, head_dim]. Returns hidden states
+        """kv_cache: [local_layers, 2, num_slots, kv_heads, head_dim], or each layer's [2, num_slots,
+        kv_heads, head_dim] (model_runner.KVLayout). Returns hidden states
         (normed on the last stage). `attend` is the attention kernel every layer calls."""
         x, cos, sin = self.layer_inputs(input_ids, positions, hidden)
         local = (cos, sin) if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             c, s = local if layer.self_attn.window is not None else (cos, sin)
-            x = layer(x, c, s, kv_cache[i], meta, attend)
+            x = layer(x, c, s, kv_cache[i], meta if meta.per_layer is None else meta.per_layer[i], attend)
         return self.norm(x) if self.is_last else x
 
     def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,

@@ -31,9 +31,10 @@ class CacheHarness:
     """The engine loop over any policy, with up to `depth` micro-batches in flight (pipeline)."""
 
     def __init__(self, policy: str, num_blocks: int, block_size: int, budget: int, max_num_seqs: int = 8,
-                 depth: int = 1, caching: bool = True):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.sched = make_scheduler(policy, self.bm, budget, max_num_seqs, max_model_len=num_blocks * block_size)
+                 depth: int = 1, caching: bool = True, window: int | None = None, window_tables: int = 0):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, window=window,
+                               window_tables=window_tables, max_step_tokens=budget)
+        self.sched = make_scheduler(policy, self.bm, budget, max_num_seqs, max_model_len=self.bm.capacity_tokens)
         self.depth = depth
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix its KV belongs to
         self.in_flight: deque[ScheduledBatch] = deque()
@@ -44,9 +45,15 @@ class CacheHarness:
         self.requests.append(request)
         self.sched.add_request(request)
 
-    def slot(self, r: Request, p: int) -> int:
+    def slot(self, r: Request, p: int, table: int = 0) -> int:
+        """Position p's slot in r's block table (0) or its window table `table` - 1."""
         bs = self.bm.block_size
-        return r.block_ids[p // bs] * bs + p % bs
+        ids = r.block_ids if table == 0 else r.window_block_ids[table - 1]
+        return ids[p // bs] * bs + p % bs
+
+    def window_kv(self, r: Request, p: int, table: int) -> tuple:
+        """What a window table's slot holds: the prefix, marked with its table."""
+        return ("window", table, tuple(r.token_ids[:p + 1]))
 
     def abort(self, r: Request) -> None:
         self.sched.finish(r, RequestStatus.FINISHED_ABORTED)
@@ -65,6 +72,7 @@ class CacheHarness:
                 assert len(r.block_ids) * self.bm.block_size >= r.num_computed_tokens + n
                 for p in range(r.num_computed_tokens):  # the KV it will attend to is its own
                     assert self.kv.get(self.slot(r, p)) == tuple(r.token_ids[:p + 1]), (r.request_id, p)
+                self.check_windows(r, n)
                 # It never writes into a cached block (those are full and read-only).
                 cached = self.bm.cached()
                 for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
@@ -80,6 +88,8 @@ class CacheHarness:
             if r.status is RequestStatus.RUNNING:
                 for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
                     self.kv[self.slot(r, p)] = tuple(r.token_ids[:p + 1])
+                    for t in range(1, self.bm.window_tables + 1):
+                        self.kv[self.slot(r, p, t)] = self.window_kv(r, p, t)
         kept = self.held_cached()
         for r in sched.commit(batch):
             r.append_token(fake_token(r.token_ids), float(self.iterations))
@@ -90,6 +100,22 @@ class CacheHarness:
         self.check_state()
 
     # ------------------------------------------------------------ invariants
+    def check_windows(self, r: Request, n: int) -> None:
+        """A step of n tokens from r's next one: its window tables reach every key its queries'
+        windows do, with r's own KV, and hold the pad block before (given back)."""
+        bm, c = self.bm, r.num_computed_tokens
+        if not bm.window_tables:
+            assert r.window_block_ids == []
+            return
+        first = bm.first_in_window(c)
+        assert [len(t) for t in r.window_block_ids] == [len(r.block_ids)] * bm.window_tables
+        for t in range(1, bm.window_tables + 1):
+            table = r.window_block_ids[t - 1]
+            assert table[:first] == [bm.pad_block] * first
+            assert bm.pad_block not in table[first:]
+            for p in range(max(0, c + 1 - bm.window), c):
+                assert self.kv.get(self.slot(r, p, t)) == self.window_kv(r, p, t), (r.request_id, p, t)
+
     def live(self) -> list[Request]:
         return list(self.sched.running) + list(self.sched.waiting)
 
@@ -120,12 +146,22 @@ class CacheHarness:
         for r in self.sched.waiting:
             assert r.block_ids == [] and r.num_computed_tokens == 0
         free, evictable, cached = list(bm._free), bm.evictable(), bm.cached()
-        # Every block is in exactly one state: free, cached and unheld, or held.
-        assert len(free) + len(evictable) + len(holders) == bm.num_blocks
-        assert set(free) | set(evictable) | set(holders) == set(range(bm.num_blocks))
+        windows = bm.window_blocks()  # table block -> its window blocks, held or cached
+        in_windows = [w for ws in windows.values() for w in ws]
+        # Every block is in exactly one state: free, cached and unheld, held, or a window block.
+        assert len(free) + len(evictable) + len(holders) + len(in_windows) == bm.num_blocks
+        assert set(free) | set(evictable) | set(holders) | set(in_windows) == set(range(bm.num_blocks))
         assert not set(free) & set(holders) and not set(evictable) & set(holders)
         assert not set(free) & set(cached) and set(evictable) <= set(cached)
-        assert bm.num_free_blocks == len(free) + len(evictable)
+        # Window blocks: of a held block while a request's window reaches it, else of a cached one.
+        readers = {b: {r.request_id for r in live if b in r.block_ids
+                       and r.window_block_ids[0][r.block_ids.index(b)] != bm.pad_block} for b in windows}
+        unread = [b for b, who in readers.items() if not who]
+        assert set(unread) <= set(cached) and all(len(ws) == bm.window_tables for ws in windows.values())
+        assert bm.num_free_blocks == len(free) + len(evictable) + bm.window_tables * len(unread)
+        for r in live:
+            for i, b in enumerate(r.block_ids):
+                assert [t[i] for t in r.window_block_ids] in ([bm.pad_block] * bm.window_tables, windows.get(b))
         # The key of every cached block is the chain of the token prefix its KV holds.
         bs = bm.block_size
         for b, key in cached.items():
@@ -143,7 +179,8 @@ class CacheHarness:
         assert not self.sched.has_unfinished_requests() and not self.in_flight
         assert self.bm.holders() == {}
         assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert set(self.bm._free) | set(self.bm.evictable()) == set(range(self.bm.num_blocks))
+        cached_windows = {w for ws in self.bm.window_blocks().values() for w in ws}
+        assert set(self.bm._free) | set(self.bm.evictable()) | cached_windows == set(range(self.bm.num_blocks))
 
 
 def make_request(rid: str, prompt: list[int], out: int) -> Request:
@@ -178,7 +215,13 @@ def streams(draw):
         ops.append((kind, doc, cut, suffix, out, arrival))
     abort_prob = draw(st.sampled_from([0.0, 0.0, 0.1]))
     seed = draw(st.integers(0, 2**32 - 1))
-    return policy, block_size, num_blocks, capacity, budget, depth, docs, ops, abort_prob, seed
+    # sliding-window layers' tables, where steps stay within the budget (as the engine has them)
+    window = draw(st.sampled_from([None, None, 1, 3, 8, 20])) if SCHEDULERS[policy].steps_within_budget else None
+    window_tables = draw(st.integers(1, 2)) if window else 0
+    if window:  # room for the windows of a step beside the table
+        num_blocks += window_tables * (-(-(window - 1 + budget) // block_size) + 1)
+    return (policy, block_size, num_blocks, capacity, budget, depth, docs, ops, abort_prob, seed,
+            window, window_tables)
 
 
 def build_prompt(op, docs, finished: list[Request]) -> list[int]:
@@ -193,9 +236,10 @@ def build_prompt(op, docs, finished: list[Request]) -> list[int]:
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_random_streams_keep_cache_invariants(w):
-    policy, block_size, num_blocks, capacity, budget, depth, docs, ops, abort_prob, seed = w
+    policy, block_size, num_blocks, capacity, budget, depth, docs, ops, abort_prob, seed, window, window_tables = w
     rng = random.Random(seed)
-    h = CacheHarness(policy, num_blocks, block_size, budget, depth=depth)
+    h = CacheHarness(policy, num_blocks, block_size, budget, depth=depth, window=window, window_tables=window_tables)
+    assert h.bm.capacity_tokens == capacity
     pending = sorted(enumerate(ops), key=lambda p: p[1][5])
     finished: list[Request] = []
     limit = 500 + 50 * sum(len(o[3]) + o[4] + 60 for o in ops)
@@ -378,3 +422,52 @@ def test_colliding_content_is_not_shared_while_written():
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
     run_until_done(h)
     assert h.bm.num_cached_blocks == 3
+
+
+# ------------------------------------------------------------------ sliding windows
+def test_window_blocks_go_back_as_the_request_moves_on():
+    """A 6-token window over 4-token blocks: a request's window tables hold only the blocks its
+    next queries reach, while its block table keeps the whole context."""
+    h = CacheHarness("sarathi", 64, 4, budget=8, window=6, window_tables=2, caching=False)
+    r = make_request("a", list(range(10, 40)), 20)
+    h.add(r)
+    held, table = [], []
+    while h.sched.has_unfinished_requests():
+        h.step()  # (the harness checks each step's window tables: all its queries' windows reach)
+        if r.status is RequestStatus.RUNNING:
+            live = [b for b in r.window_block_ids[0] if b != h.bm.pad_block]
+            held.append(len(live))
+            table.append(len(r.block_ids))
+            # window blocks from the first one the step's first query reached: at most ceil((6 - 1 + 8) / 4) + 1
+            assert len(live) <= 5
+            assert h.bm.num_free_blocks == 64 - len(r.block_ids) - 2 * len(live)
+    h.check_done()
+    # 8-token chunks, then decodes: the table grows to 12 blocks, the windows hold 2-4
+    assert max(table) == 12 and max(held) == 4 and held[-4:] == [3, 2, 2, 2]
+
+
+def test_windows_a_request_left_are_evicted_first_and_hits_need_the_last_window():
+    """Window blocks of cached blocks stay cached once no window reaches them, go before any block
+    table's, least recently left first; a prefix hit takes the blocks whose window before is all
+    still there."""
+    bm = BlockManager(64, 4, enable_prefix_caching=True, window=6, window_tables=1, max_step_tokens=8)
+    doc = list(range(100, 140))  # 10 blocks
+    a = make_request("a", doc + [1], 1)
+    assert bm.allocate(a, 40)
+    a.num_computed_tokens = 40
+    bm.cache_blocks(a, 0, 40)
+    assert bm.allocate(a, 41)  # its queries now start at 40: blocks 0-7 left its window
+    assert a.window_block_ids[0][:8] == [bm.pad_block] * 8 and a.block_ids[10] in bm.window_blocks()
+    a_blocks = list(a.block_ids)
+    bm.free(a)
+    assert bm.num_free_blocks == 64 and len(bm.window_blocks()) == 10  # 0-9 cached: their windows too
+    follow = make_request("b", doc + [2], 1)
+    assert len(bm.cached_prefix(follow)) == 10
+    c = make_request("c", list(range(500, 604)), 1)  # 26 blocks and their windows: 52 of the 44 plain free
+    assert bm.allocate(c, 104)
+    assert bm.num_evictions == 8 and set(bm.window_blocks()) == {*c.block_ids, a_blocks[8], a_blocks[9]}
+    assert bm.num_cached_blocks == 10  # no block table's block was evicted
+    assert len(bm.cached_prefix(follow)) == 10  # blocks 8 and 9 still have the window a 40-token prefix needs
+    assert bm.allocate(c, 108)  # two more: the windows of blocks 8 and 9
+    assert bm.num_evictions == 10 and bm.num_cached_blocks == 10
+    assert bm.cached_prefix(follow) == []  # every block is cached, but no window before any of them is

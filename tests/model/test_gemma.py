@@ -12,6 +12,8 @@ import transformers
 from carpool.engine import LLMEngine
 from carpool.model.attention import AttentionMetadata, PrefillChunk, masked_paged_attention
 from carpool.model.compiled import can_compile
+from carpool.model.loader import load_model_config
+from carpool.model_runner import kv_bytes_per_token
 from carpool.sampling_params import SamplingParams
 from tests.helpers import run_greedy
 from tests.model.test_hf_models import assert_matches_transformers, engine_for, write_checkpoint, write_gguf
@@ -176,3 +178,35 @@ def test_sliding_window_through_chunks_prefix_cache_and_decode(tmp_path, engine_
     # and a batch of both at once: decodes and chunks of other requests in the same steps
     assert run_greedy(engine, [first, second], sp_tokens) == [req.output_token_ids for _, req in outputs]
 
+
+
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_sliding_layers_keep_only_their_window(tmp_path, engine_fp32, family):
+    """The KV memory of 6 blocks of every layer: with the sliding layers' KV kept to their window
+    (core/block_manager.py), a prompt longer than the whole cache would hold otherwise runs in
+    16-token chunks, greedy as transformers, and gives every block back."""
+    ref = gemma_checkpoint(tmp_path, engine_fp32.tokenizer, family)
+    prompt = engine_fp32.tokenizer.encode(" ".join(str(i) for i in range(1, 80)))[:120]
+    memory = 6 * 16 * kv_bytes_per_token(load_model_config(str(tmp_path)), torch.float32)
+    args = dict(model=str(tmp_path), dtype="float32", kv_cache_memory=memory, max_num_batched_tokens=16)
+    plain = LLMEngine(**args, disable_hybrid_kv_cache_manager=True)
+    assert plain.block_manager.capacity_tokens == 96 and plain.block_manager.window_tables == 0
+    with pytest.raises(ValueError, match="at most 95 fit"):
+        plain.add_request(prompt, SamplingParams(max_tokens=16))
+    engine = LLMEngine(**args)
+    bm = engine.block_manager
+    # Gemma 2's layers alternate, Gemma 3's here too: a block is half the layers, a window
+    # table the other half, 3 of its 12 blocks the windows of a 16-token step
+    assert (bm.num_blocks, bm.window_tables, bm.window, bm.capacity_tokens) == (12, 1, WINDOW, 144)
+    sp_tokens = 16
+    req = engine.add_request(prompt, SamplingParams(max_tokens=sp_tokens, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.has_unfinished_requests():  # the window tables hold at most a step's reach
+            assert sum(b != bm.pad_block for b in req.window_block_ids[0]) <= 3
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=sp_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert req.output_token_ids == expected
+    assert bm.num_free_blocks == bm.num_blocks and bm.holders() == {}
