@@ -162,11 +162,12 @@ class ModelConfig:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether every layer is Llama's (SiLU MLP, two norms, plain causal attention scaled by
-        head_dim^-1/2): the fused C layers and the compiled halves run only those."""
+        """Whether every layer is Llama's (SiLU MLP, two norms, causal attention scaled by
+        head_dim^-1/2): the fused C layers and the compiled halves run only those, and only in steps
+        whose contexts fit a sliding window where layers have one (ModelRunner.path)."""
         return (self.hidden_act == "silu" and not self.sandwich_norms and not self.scale_embeddings
                 and self.query_pre_attn_scalar is None and self.attn_logit_softcap is None
-                and self.final_logit_softcap is None and not self.sliding_layers)
+                and self.final_logit_softcap is None)
 
 
 # The policies of carpool/core/scheduler.py by name, so that the config checks a name without

@@ -113,6 +113,7 @@ class ModelRunner:
                  layout: KVLayout | None = None):
         self.model = model
         self.layout = layout or KVLayout.plain(model.num_local_layers)
+        self.window = model.config.sliding_window if model.config.sliding_layers else None
         if device.type == "cpu" and dtype == torch.bfloat16:
             pack_linears_for_cpu(model)  # bf16 tiles or oneDNN's packed layers, where the CPU has either
         self.block_size = block_size
@@ -135,9 +136,10 @@ class ModelRunner:
         # None where they do not apply.
         self.compiled: CompiledLayers | None = None
         self.fused: FusedLayers | None = None
-        if not enforce_eager and can_compile(model):
+        plain = self.layout.window is None  # the fused and compiled layers index one cache tensor by layer
+        if not enforce_eager and plain and can_compile(model):
             self.compile_forward()
-        if self.decode_kernel:
+        if self.decode_kernel and plain:
             self.fused = FusedLayers.build(model)
 
     def compile_forward(self) -> bool:
@@ -276,6 +278,7 @@ class ModelRunner:
             decode_context_lens=lens,
             decode_mask=mask,
             prefills=chunks,
+            longest_context=max([*decode_lens, *(start + end - row for row, end, start, _ in prefills)], default=0),
         )
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -306,7 +309,10 @@ class ModelRunner:
         return self.logits(hidden, plan)
 
     def path(self, num_tokens: int, meta: AttentionMetadata) -> Path:
-        """How a step runs the layers (model/paths.py)."""
+        """How a step runs the layers (model/paths.py): eager where a context passes a sliding
+        window, which only the eager layers apply."""
+        if self.window is not None and meta.longest_context > self.window:
+            return Path.EAGER
         fused = self.fused
         fits = fused is not None and fused.can_attend(meta, num_tokens)
         return choose_path(num_tokens, fused.max_tokens if fits else 0, self.compiled is not None)

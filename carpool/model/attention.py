@@ -103,6 +103,7 @@ class AttentionMetadata:
     # the C kernel (model/cpu_kernels.py) reads the blocks in place instead.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    longest_context: int = 0  # the most keys any query of the step sees, its own included
     # The whole step as query runs, for the fused layers (model/fused_layers.py) and, where
     # decodes carry drafts, for every path's decode attention (so a request's k + 1 rows read
     # its context once, not k + 1 times); None where the runner did not build them (decodes of

@@ -284,7 +284,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        # What plain paged attention cannot do (Gemma): None where this layer has none of it.
+        # What plain paged attention cannot do (Gemma, Mistral v0.1, Phi-3): None where this layer
+        # has none of it.
         self.window = config.sliding_window if layer in config.sliding_layers else None
         self.softcap = config.attn_logit_softcap
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
@@ -294,6 +295,11 @@ class Attention(nn.Module):
         if self.qk_norm:  # Qwen3, Gemma 3
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def masked(self, meta: AttentionMetadata) -> bool:
+        """Whether this step needs masked_paged_attention: soft-capped logits, or a window some
+        query's context passes (within it the window changes nothing)."""
+        return self.softcap is not None or (self.window is not None and meta.longest_context > self.window)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -344,7 +350,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, attend: AttendFn = paged_attention) -> torch.Tensor:
         q, k, v = self.before_attention(x, cos, sin)
-        o = attend(q, k, v, cache, meta, self.self_attn.scale)
+        a = self.self_attn
+        if attend is paged_attention and a.masked(meta):
+            o = masked_paged_attention(q, k, v, cache, meta, a.scale, a.window, a.softcap)
+        else:  # plain causal attention, or a stand-in (the profiler's), called as is
+            o = attend(q, k, v, cache, meta, a.scale)
         return self.after_attention(x, o)
 
     # The dense halves of a layer, on either side of attention (the only part that looks at
@@ -367,16 +377,6 @@ class GemmaDecoderLayer(DecoderLayer):
         super().__init__(config, tp, layer)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, attend: AttendFn = paged_attention) -> torch.Tensor:
-        q, k, v = self.before_attention(x, cos, sin)
-        a = self.self_attn
-        if attend is paged_attention and (a.window is not None or a.softcap is not None):
-            o = masked_paged_attention(q, k, v, cache, meta, a.scale, a.window, a.softcap)
-        else:  # plain causal attention, or a stand-in (the profiler's), called as is
-            o = attend(q, k, v, cache, meta, a.scale)
-        return self.after_attention(x, o)
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(self.self_attn.output(o)))

@@ -112,18 +112,12 @@ def hf_model_config(folder: Path) -> ModelConfig:
     gen_eos, gen_defaults = hf_generation_config(folder)
     eos_ids += [i for i in gen_eos if i not in eos_ids]  # Llama-3 instruct: <|eot_id|> is only here
     gemma = archs[0] in GEMMA
-    window = cfg.get("sliding_window") if gemma else None
-    if cfg.get("layer_types"):
-        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
-    else:  # older configs: Gemma 2 slides every other layer, Gemma 3 five layers in six
-        pattern = 2 if archs[0] == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
-        sliding = [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % pattern]
+    window, sliding = _hf_sliding_layers(cfg, archs[0])
     gemma_fields = dict(
         hidden_act="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         attn_logit_softcap=cfg.get("attn_logit_softcapping"), final_logit_softcap=cfg.get("final_logit_softcapping"),
-        sliding_window=window, sliding_layers=sliding if window else [], rope_local_theta=local_theta,
-        norm_weight_offset=1.0) if gemma else {}
+        rope_local_theta=local_theta, norm_weight_offset=1.0) if gemma else {}
     return ModelConfig(
         architecture=archs[0],
         vocab_size=cfg["vocab_size"],
@@ -143,8 +137,30 @@ def hf_model_config(folder: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         generation_defaults=gen_defaults,
+        sliding_window=window if sliding else None,
+        sliding_layers=sliding if window else [],
         **gemma_fields,
     )
+
+
+def _hf_sliding_layers(cfg: dict, arch: str) -> tuple[int | None, list[int]]:
+    """The sliding window and the layers it applies to, as transformers reads a config.json:
+    `layer_types` where given; else Gemma 2 slides every other layer, Gemma 3 five in six, Mistral
+    and Phi-3 every layer (Mistral 7B v0.1: 4096 tokens, Phi-3 mini 4k: 2047), Qwen2/3 the
+    layers from `max_window_layers` on where `use_sliding_window` is set."""
+    window, layers = cfg.get("sliding_window"), range(cfg["num_hidden_layers"])
+    if not window:
+        return None, []
+    if cfg.get("layer_types"):
+        return window, [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    if arch in GEMMA:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        return window, [i for i in layers if (i + 1) % pattern]
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return window, list(layers)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        return window, [i for i in layers if i >= cfg.get("max_window_layers", 0)]
+    return None, []
 
 
 def hf_weights(folder: Path, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -218,8 +234,10 @@ def gguf_model_config(reader) -> ModelConfig:
     if "rope_factors_long.weight" in tensors:
         raise ValueError(f"GGUF {arch} with long-context RoPE factors (rope_factors_long) is not supported")
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
-    gemma = (_gguf_gemma_fields(arch, get, get("block_count"), hidden, heads, head_dim)
-             if arch in ("gemma2", "gemma3") else {})
+    family = (_gguf_gemma_fields(arch, get, get("block_count"), hidden, heads, head_dim)
+              if arch in ("gemma2", "gemma3") else {})
+    if arch == "phi3" and get("attention.sliding_window"):  # llama.cpp slides every phi3 layer
+        family = dict(sliding_window=get("attention.sliding_window"), sliding_layers=list(range(get("block_count"))))
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
@@ -238,7 +256,7 @@ def gguf_model_config(reader) -> ModelConfig:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        **gemma,
+        **family,
     )
 
 

@@ -15,8 +15,13 @@ from carpool.model.compiled import can_compile
 from carpool.model.loader import load_model_config
 from carpool.model_runner import kv_bytes_per_token
 from carpool.sampling_params import SamplingParams
-from tests.helpers import run_greedy
-from tests.model.test_hf_models import assert_matches_transformers, engine_for, write_checkpoint, write_gguf
+from tests.model.test_hf_models import (
+    assert_matches_transformers,
+    assert_window_matches_transformers,
+    engine_for,
+    write_checkpoint,
+    write_gguf,
+)
 
 WINDOW = 8
 
@@ -150,34 +155,11 @@ def test_gemma_gguf_norms_read_back_by_transformers(tmp_path, engine_fp32, model
 
 @pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_sliding_window_through_chunks_prefix_cache_and_decode(tmp_path, engine_fp32, family):
-    """Prompts of 40+ tokens prefilled in chunks of 6, the second one after the first's blocks are
-    cached (its prefill starts past two cached blocks), then 16 decodes each: every attention
-    path keeps each query to its last 8 keys, as transformers does."""
+    """Chunks of 6 tokens, a cached prefix, decodes: every attention path keeps each query to its
+    last 8 keys, as transformers does."""
     ref = gemma_checkpoint(tmp_path, engine_fp32.tokenizer, family)
     engine = LLMEngine(model=str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=6)
-    first = engine_fp32.tokenizer.encode(" ".join(str(i) for i in range(1, 25)))
-    assert len(first) >= 40
-    second = first[:36] + engine_fp32.tokenizer.encode(" and then some more words to read")
-    sp_tokens = 16
-    outputs = []
-    for prompt in (first, second):
-        req = engine.add_request(prompt, SamplingParams(max_tokens=sp_tokens, temperature=0.0, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        outputs.append((prompt, req))
-    assert outputs[1][1].num_cached_tokens == 32  # two full 16-token blocks of the first prompt
-    unwindowed = type(ref)(type(ref.config)(**{**ref.config.to_dict(), "sliding_window": 4096}))
-    unwindowed.load_state_dict(ref.state_dict())
-    for prompt, req in outputs:
-        x = torch.tensor([prompt])
-        with torch.inference_mode():
-            expected = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=sp_tokens, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            assert not torch.allclose(ref(x).logits, unwindowed(x).logits, atol=1e-3)  # the window matters
-        assert req.output_token_ids == expected
-    # and a batch of both at once: decodes and chunks of other requests in the same steps
-    assert run_greedy(engine, [first, second], sp_tokens) == [req.output_token_ids for _, req in outputs]
-
+    assert_window_matches_transformers(engine, ref, WINDOW)
 
 
 @pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])

@@ -193,6 +193,72 @@ def test_phi3_matches_transformers(tmp_path, engine_fp32):
     assert_matches_transformers(engine, ref)
 
 
+def assert_window_matches_transformers(engine: LLMEngine, ref: torch.nn.Module, window: int) -> None:
+    """Two prompts of 40+ tokens, prefilled in chunks of the engine's budget, the second one after
+    the first's blocks are cached (two 16-token blocks), then 16 decodes each, one at a time and
+    then both at once: greedy as transformers, whose outputs the window changes."""
+    tokenizer = engine.tokenizer
+    first = tokenizer.encode(" ".join(str(i) for i in range(1, 25)))
+    assert len(first) >= 40 > 4 * window
+    second = first[:36] + tokenizer.encode(" and then some more words to read")
+    sp_tokens = 16
+    outputs = []
+    for prompt in (first, second):
+        req = engine.add_request(prompt, SamplingParams(max_tokens=sp_tokens, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs.append((prompt, req))
+    assert outputs[1][1].num_cached_tokens == 32  # two full 16-token blocks of the first prompt
+    unwindowed = type(ref)(type(ref.config)(**{**ref.config.to_dict(), "sliding_window": 4096}))
+    unwindowed.load_state_dict(ref.state_dict())
+    for prompt, req in outputs:
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=sp_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert not torch.allclose(ref(x).logits, unwindowed(x).logits, atol=1e-3)  # the window matters
+        assert req.output_token_ids == expected
+    assert run_greedy(engine, [first, second], sp_tokens) == [req.output_token_ids for _, req in outputs]
+
+
+@pytest.mark.parametrize("arch, source", [
+    ("Mistral", "hf"), ("Phi3", "gguf"),
+    pytest.param("Phi3", "hf", marks=pytest.mark.slow), pytest.param("Qwen2", "hf", marks=pytest.mark.slow)])
+def test_sliding_window_on_llama_layers(tmp_path, engine_fp32, model_path, arch, source):
+    """Mistral 7B v0.1 and Phi-3 mini 4k slide every layer (windows of 4096 and 2047 tokens); Qwen2
+    with use_sliding_window the layers from max_window_layers on (here layer 1 of 2: a block table
+    for layer 0 and a window table for layer 1). A window of 8 tokens."""
+    from carpool.model.loader import open_gguf
+
+    extra = {"Phi3": dict(pad_token_id=0), "Qwen2": dict(use_sliding_window=True, max_window_layers=1)}.get(arch, {})
+    ref = write_checkpoint(tmp_path / "hf", engine_fp32.tokenizer, arch, sliding_window=8, **extra)
+    path = tmp_path / "hf"
+    if source == "gguf":  # llama.cpp's converter writes phi3's window (and slides every layer)
+        path = tmp_path / "tiny-phi3.gguf"
+        write_gguf(path, ref, "phi3", open_gguf(model_path), pre="llama-bpe")
+    engine = LLMEngine(model=str(path), dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=6)
+    cfg = engine.model_config
+    assert (cfg.sliding_window, cfg.sliding_layers) == (8, [1] if arch == "Qwen2" else [0, 1])
+    assert engine.block_manager.window_tables == (arch == "Qwen2")
+    assert_window_matches_transformers(engine, ref, 8)
+
+
+def test_llama_layers_leave_the_fast_paths_only_past_the_window(tmp_path, engine_fp32):
+    """A window on Llama's layers keeps the fused and compiled paths for steps whose contexts fit
+    it, where it changes nothing; a step past it runs eager, which applies it."""
+    from carpool.model.attention import AttentionMetadata
+    from carpool.model.paths import Path as StepPath
+
+    write_checkpoint(tmp_path, engine_fp32.tokenizer, "Mistral", sliding_window=32)
+    engine = LLMEngine(model=str(tmp_path), dtype="bfloat16", quantization="int8", kv_cache_memory=16 << 20)
+    runner = engine.runner
+    assert engine.model_config.llama_layers and runner.fused is not None and runner.window == 32
+    meta = lambda longest: AttentionMetadata(torch.zeros(1, dtype=torch.long), 16, 1, None, None, None, [],  # noqa: E731
+                                             longest_context=longest)
+    assert runner.path(1, meta(32)) is StepPath.FUSED
+    assert runner.path(1, meta(33)) is StepPath.EAGER
+
+
 # ---------------------------------------------------------------- GGUF files of other families
 
 _TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -230,7 +296,7 @@ def write_gguf(path, ref: torch.nn.Module, arch: str, tokenizer_reader=None, pre
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # gemma3: the global layers'
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if gemma:
+    if gemma or (arch == "phi3" and cfg.sliding_window):  # as llama.cpp's converter writes them
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
