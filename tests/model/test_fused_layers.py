@@ -154,7 +154,7 @@ def test_steps_past_the_tile_kernels_threshold_equal_eager_exactly(engine, conte
 
 
 @pytest.mark.skipif(not has_kq_matmul(), reason="needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
-@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ4_XS"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", pytest.param("IQ4_XS", marks=pytest.mark.slow)])  # IQ4_XS: ~13 s
 def test_a_k_quant_gguf_runs_fused_and_equals_eager(model_path, tmp_path, mix):
     """A GGUF's own K-quant (or IQ4, looked up) codes run in the fused path too (kquant.c's
     kernels, both sizes)."""

@@ -110,7 +110,7 @@ print(before, status("VmRSS"), status("VmHWM"))
 """
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "iq4_xs"])
+@pytest.mark.parametrize("mix", ["q4_k_m", pytest.param("iq4_xs", marks=pytest.mark.slow)])  # iq4_xs: ~17 s
 def test_loading_memory_is_a_bounded_multiple_of_the_file(mix, request):
     """Resident memory after load within the file's size + 200 MB over the process before it
     (measured: +220 MB for a 100 MB file), and the peak while loading within 5x the file + 200 MB

@@ -221,9 +221,8 @@ def assert_window_matches_transformers(engine: LLMEngine, ref: torch.nn.Module, 
     assert run_greedy(engine, [first, second], sp_tokens) == [req.output_token_ids for _, req in outputs]
 
 
-@pytest.mark.parametrize("arch, source", [
-    ("Mistral", "hf"), ("Phi3", "gguf"),
-    pytest.param("Phi3", "hf", marks=pytest.mark.slow), pytest.param("Qwen2", "hf", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch, source", [("Mistral", "hf"), *(
+    pytest.param(*p, marks=pytest.mark.slow) for p in [("Phi3", "gguf"), ("Phi3", "hf"), ("Qwen2", "hf")])])
 def test_sliding_window_on_llama_layers(tmp_path, engine_fp32, model_path, arch, source):
     """Mistral 7B v0.1 and Phi-3 mini 4k slide every layer (windows of 4096 and 2047 tokens); Qwen2
     with use_sliding_window the layers from max_window_layers on (here layer 1 of 2: a block table
