@@ -198,11 +198,12 @@ class ModelRunner:
             # This step starts the block holding token ctx-1? Attention reads that block whole
             # (masked) and 0 x NaN is NaN, so its unwritten slots must not hold stale garbage.
             fresh = ctx % bs and (ctx - 1) // bs * bs >= start
+            decode = req.is_decode
             for plan, table, written in zip(tables, (req.block_ids, *req.window_block_ids), slots):
                 if fresh:
                     plan.fresh_tails.append(self.slots_for(table, ctx, blocks_for(ctx, bs) * bs))
                 written.append(self.slots_for(table, start, ctx))
-                if req.is_decode:
+                if decode:
                     # A decode with k drafts is k + 1 decode rows over one block table: row j sees
                     # the context up to its own token (the step writes every row's KV before any
                     # layer attends), so it runs in the batched decode attention, not as a chunk.
@@ -212,7 +213,7 @@ class ModelRunner:
             ids.extend(req.token_ids[start:ctx - len(drafts)])
             ids.extend(drafts)
             positions.append(np.arange(start, ctx))
-            if req.is_decode:
+            if decode:
                 decode_lens.extend(range(start + 1, ctx + 1))
             else:
                 prefills.append((row, row + n, start))
