@@ -32,9 +32,6 @@ log = logging.getLogger("carpool.server")
 
 # ---------------------------------------------------------------- where each process runs
 
-SPIN_COUNT = "10000"  # spin across the short gaps inside a step, sleep through its Python
-
-
 def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str], set[int] | None]:
     """Where the engine's OpenMP threads and the frontend run: (the engine process's extra
     environment, the frontend's cores), or ({}, None) to leave both to the OS.
@@ -42,20 +39,19 @@ def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str],
     When the engine's threads take every core this process may use, the frontend has to share
     one. Left to the OS it lands on the core of the step's main thread: a step's outputs, written
     to the pipe, wake it there (a sync wake-up), and it preempts the main thread about once per
-    token, stalling both threads. So OpenMP thread i is bound to core i, the frontend to the last
-    core, and the threads there stop spinning soon after a parallel region (GOMP_SPINCOUNT), so
-    the frontend runs in the time the last thread sleeps through the step's Python
-    (BENCHMARKS.md, "The served path shares the cores"). With spare cores, with TP/PP (more
-    than one process), or with placement already set in the environment, nothing is bound."""
+    token, stalling both threads. So OpenMP thread i is bound to core i and the frontend to the
+    last core, where it runs while the last thread waits through the step's Python. libgomp's own
+    spin before a waiting thread sleeps stays: with a short one (GOMP_SPINCOUNT 10000) the threads
+    slept between the parallel regions inside a step, and a served 3B step took 142-173 ms in 6
+    runs of 10 against 98-110 ms otherwise; with the default, 104-110 ms in all 5 (2-core Zen 3
+    VM; the 135M and 1B models: no difference). With spare cores, with TP/PP (more than one
+    process), or with placement already set in the environment, nothing is bound."""
     cpus = sorted(os.sched_getaffinity(0))
     threads = config.num_threads or len(cpus)
     user_set = any(k in environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY"))
     if config.world_size > 1 or len(cpus) < 2 or threads != len(cpus) or user_set:
         return {}, None
-    env = {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
-    if "GOMP_SPINCOUNT" not in environ:
-        env["GOMP_SPINCOUNT"] = SPIN_COUNT
-    return env, {cpus[-1]}
+    return {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}, {cpus[-1]}
 
 
 @dataclass
