@@ -43,7 +43,7 @@ def plan_cpus(config: EngineConfig, environ=os.environ) -> tuple[dict[str, str],
     last core, where it runs while the last thread waits through the step's Python. libgomp's own
     spin before a waiting thread sleeps stays: with a short one (GOMP_SPINCOUNT 10000) the threads
     slept between the parallel regions inside a step, and a served 3B step took 142-173 ms in 6
-    runs of 10 against 98-110 ms otherwise; with the default, 104-110 ms in all 5 (2-core Zen 3
+    runs of 9 against 98-105 ms in the others; with the default, 91-110 ms in all 8 (2-core Zen 3
     VM; the 135M and 1B models: no difference). With spare cores, with TP/PP (more than one
     process), or with placement already set in the environment, nothing is bound."""
     cpus = sorted(os.sched_getaffinity(0))
