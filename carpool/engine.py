@@ -92,7 +92,7 @@ class LLMEngine:
                              f"({per_token * config.block_size} bytes each)")
         layout = ex.kv_layout
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          window=layout and layout.window,
+                                          window=layout.window if layout else None,
                                           window_tables=layout.window_tables if layout else 0,
                                           max_step_tokens=config.max_num_batched_tokens)
         if self.block_manager.capacity_tokens < config.block_size:

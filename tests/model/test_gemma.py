@@ -192,3 +192,7 @@ def test_sliding_layers_keep_only_their_window(tmp_path, engine_fp32, family):
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert req.output_token_ids == expected
     assert bm.num_free_blocks == bm.num_blocks and bm.holders() == {}
+    # a cache that holds no more than a step's windows is refused at start, naming why
+    too_small = 3 * 16 * kv_bytes_per_token(load_model_config(str(tmp_path)), torch.float32, num_layers=1)
+    with pytest.raises(ValueError, match="fewer than the 3 a step's sliding windows take"):
+        LLMEngine(**{**args, "kv_cache_memory": too_small})
