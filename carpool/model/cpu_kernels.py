@@ -469,7 +469,7 @@ class KQuantWeight(ctypes.Structure):
     _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("bits", ctypes.c_int64), ("offset", ctypes.c_int64), ("super_size", ctypes.c_int64),
-                ("lookup", ctypes.c_int64), ("m_sign", ctypes.c_float)]
+                ("lookup", ctypes.c_int64), ("sub_size", ctypes.c_int64), ("m_sign", ctypes.c_float)]
 
 
 def has_kq_matmul() -> bool:
@@ -496,14 +496,22 @@ KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.
                   torch.Tensor | None]
 
 
+def sub_size_of(tensors: KQTensors) -> int:
+    """Channels per sub-scale of a weight's tensors (sc, mn [blocks, groups, 32 / sub_size, 16]):
+    16 or 32, and 32 where it has none."""
+    subs = next((t.shape[2] for t in tensors[2:4] if t is not None and t.dim() == 4), 1)
+    return 32 // subs if subs in (1, 2) else 0
+
+
 def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int, super_size: int,
                       lookup: bool) -> None:
     """ValueError unless `tensors` are a weight in kquant.c's form for these sizes."""
     blocks, groups = -(-n // 16), k // 32
     planes = 0 if bits == 8 else bits - 4
+    subs = 32 // (sub_size_of(tensors) or 16)
     expect = {"lo": ((blocks, groups, 8, 16, 4) if bits == 8 else (blocks, groups, 4, 16, 4), torch.uint8),
               "hi": ((blocks, groups, planes, 8, 8), torch.uint8) if planes else None,
-              "sc": ((blocks, groups, 2, 16), torch.int8), "mn": ((blocks, groups, 2, 16), torch.int8),
+              "sc": ((blocks, groups, subs, 16), torch.int8), "mn": ((blocks, groups, subs, 16), torch.int8),
               "d": ((blocks, k // super_size, 16), torch.float16),
               "m": ((blocks, k // super_size, 16), torch.float16)}
     lo, hi, sc, mn, d, m = tensors
@@ -531,7 +539,8 @@ class KQuantMatmul:
         self.n, self.k, self.tensors = n, k, tensors  # the tensors keep the pointers valid
         self.form = (n, bits, offset, super_size, m_sign, lookup)
         ptr = lambda t: None if t is None else t.data_ptr()
-        self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, m_sign)
+        self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, sub_size_of(tensors),
+                                   m_sign)
         self._matmul = functools.partial(library().kq_matmul, ctypes.byref(self.struct))
 
     def __call__(self, x: torch.Tensor, tile_from: int) -> torch.Tensor:
@@ -604,11 +613,12 @@ def kq_pack(blocks: np.ndarray, qtype: int, rows: np.ndarray, tensors: KQTensors
     if len(rows) and not (0 <= rows.min() and rows.max() < len(blocks)):
         raise IndexError(f"kq_pack: rows out of range [0, {len(blocks)})")
     ptr = lambda t: None if t is None else t.data_ptr()
-    out = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, -1.0)
+    out = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, sub_size_of(tensors), -1.0)
     if not library().kq_pack(blocks.ctypes.data, blocks.strides[0], qtype, rows.ctypes.data, len(rows),
                              ctypes.byref(out), first_row, torch.get_num_threads()):
         raise ValueError(f"kq_pack: GGML type {qtype} does not fit the form bits={bits}, offset={offset}, "
-                         f"super-blocks of {super_size}, lookup={lookup}, " + ", ".join(
+                         f"super-blocks of {super_size}, lookup={lookup}, "
+                         f"sub-scales per {sub_size_of(tensors)} channels, " + ", ".join(
                              f"{name} {'present' if t is not None else 'absent'}"
                              for name, t in zip(("sc", "mn", "m"), tensors[2:4] + tensors[5:])))
 

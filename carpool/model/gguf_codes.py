@@ -2,20 +2,20 @@
 
 A GGUF Q4_0 .. Q6_K or IQ4_NL / IQ4_XS tensor decodes into one canonical form, the one csrc/kquant.c computes:
 
-    w[r, c] = (float(d[r, c // S]) * sc[r, c // 16]) * (q[r, c] - offset) - float(dmin[r, c // S]) * mn[r, c // 16]
+    w[r, c] = (float(d[r, c // S]) * sc[r, c // U]) * (q[r, c] - offset) - float(dmin[r, c // S]) * mn[r, c // U]
 
 unsigned codes q (2- and 3-bit codes held as 4-bit), fp16 super-block scales d / dmin per S
-channels (32 for the legacy types, 256 for K-quants) and int8 sub-scales sc / mn per 16
-channels (None: 1; Q4_K / Q5_K repeat their per-32 scales). Evaluated in fp32 in that order, it
+channels (32 for the legacy types, 256 for K-quants) and int8 sub-scales sc / mn per U = 16 or
+32 channels (`sub_size`: the file's own; None: 1). Evaluated in fp32 in that order, it
 gives gguf.quants.dequantize's values bit for bit: d * sc is exact, and the rest of each type's
 arithmetic is the same operations in the same order. So a model runs from the file's own
 codes, never from a requantized copy.
 
-Per type (bits, offset, S; sc, mn): Q4_0 4, 8, 32; Q4_1 4, 0, 32 (dmin = -m); Q5_0 5, 16, 32;
-Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4); Q3_K 4, 4, 256
-(codes 0..7: low 2 bits + 4 * hmask bit; scale - 32); Q4_K / Q5_K 4 / 5, 0, 256 (6-bit scale,
-6-bit min, per 32); Q6_K 6, 32, 256 (int8 scales); IQ4_NL 4, 128, 32 and IQ4_XS 4, 128, 256
-(6-bit scale - 32, per 32) with `lookup`: their 4-bit codes index a table of int8 values
+Per type (bits, offset, S; sc, mn, U): Q4_0 4, 8, 32; Q4_1 4, 0, 32 (dmin = -m); Q5_0 5, 16, 32;
+Q5_1 5, 0, 32 (dmin = -m); Q2_K 4, 0, 256 (codes 0..3; scales & 15, scales >> 4, 16); Q3_K 4, 4,
+256 (codes 0..7: low 2 bits + 4 * hmask bit; scale - 32, 16); Q4_K / Q5_K 4 / 5, 0, 256 (6-bit
+scale, 6-bit min, 32); Q6_K 6, 32, 256 (int8 scales, 16); IQ4_NL 4, 128, 32 and IQ4_XS 4, 128, 256
+(6-bit scale - 32, 32) with `lookup`: their 4-bit codes index a table of int8 values
 (IQ4_VALUES), so the code q stands for the 8-bit code IQ4_CODES[q] = value + 128, which the
 formula takes in its place. The kernels look the codes up as they read them: an IQ4 weight is
 held at the file's 4.25-4.5 bits. Stacked with weights of other types (merged_form), IQ4 codes
@@ -42,7 +42,6 @@ from carpool.model import cpu_kernels
 
 ROWS = 16  # output rows per block of the kernel's layout
 GROUP = 32  # input channels per group of the kernel's layout
-SUB = 16  # channels per sub-scale (sc, mn)
 _TINY = 1e-30  # as carpool.model.quant: the scale an all-equal group divides by
 
 
@@ -57,20 +56,22 @@ class Form:
     mn: bool
     dmin: bool
     lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q] (the module doc)
+    sub_size: int = 32  # channels per sub-scale: 16 or 32 (32 where there are none)
 
 
 @dataclass
 class QuantCodes:
     """A weight [N, K] in canonical form (module doc). Fields are plain numpy arrays."""
     q: np.ndarray  # uint8 [N, K], 0 .. 2**bits - 1
-    sc: np.ndarray | None  # int8 [N, K / 16]; None: 1
-    mn: np.ndarray | None  # int8 [N, K / 16]; None: 1 (where dmin is given)
+    sc: np.ndarray | None  # int8 [N, K / sub_size]; None: 1
+    mn: np.ndarray | None  # int8 [N, K / sub_size]; None: 1 (where dmin is given)
     d: np.ndarray  # float16 [N, K / S]
     dmin: np.ndarray | None  # float16 [N, K / S]; None: no min term
     super_size: int  # S: 32 or 256
     offset: int
     bits: int  # 4, 5, 6 or 8
     lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q] (the module doc)
+    sub_size: int = 32  # channels per sub-scale (sc, mn): 16 or 32
 
     @property
     def n(self) -> int:
@@ -87,7 +88,7 @@ class QuantCodes:
     @property
     def form(self) -> Form:
         return Form(self.bits, self.offset, self.super_size, self.sc is not None, self.mn is not None,
-                    self.dmin is not None, self.lookup)
+                    self.dmin is not None, self.lookup, self.sub_size)
 
     @property
     def codes8(self) -> np.ndarray:
@@ -107,7 +108,7 @@ class QuantCodes:
         _check_columns(self, start, stop)
         s = self.super_size
         cut = lambda a, per: None if a is None else np.ascontiguousarray(a[:, start // per:stop // per])
-        return replace(self, q=cut(self.q, 1), sc=cut(self.sc, SUB), mn=cut(self.mn, SUB), d=cut(self.d, s),
+        return replace(self, q=cut(self.q, 1), sc=cut(self.sc, self.sub_size), mn=cut(self.mn, self.sub_size), d=cut(self.d, s),
                        dmin=cut(self.dmin, s))
 
 
@@ -119,7 +120,7 @@ def _check_columns(c: QuantCodes, start: int, stop: int) -> None:
 
 # ---------------------------------------------------------------- decoding, per type
 # Each takes the blocks as bytes [blocks, type_size] and gives (q [blocks, block_size],
-# sc, mn [blocks, block_size / 16] or None, d, dmin [blocks] or None), following gguf/quants.py.
+# sc, mn [blocks, block_size / U] or None, d, dmin [blocks] or None), following gguf/quants.py.
 
 def _f16(b: np.ndarray, at: int) -> np.ndarray:
     return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16)[:, 0]
@@ -175,8 +176,7 @@ def _q45_k(b: np.ndarray, high_bits: bool):
     q = _nibbles(b[:, at:at + 128].reshape(-1, 4, 32)).reshape(len(b), 256)
     if high_bits:
         q |= _bit_rows(b[:, 16:48]) << 4
-    per16 = lambda x: np.repeat(x, 2, axis=1).view(np.int8)
-    return q, per16(sc), per16(mn), _f16(b, 0), _f16(b, 2)
+    return q, sc.view(np.int8), mn.view(np.int8), _f16(b, 0), _f16(b, 2)
 
 
 def _q6_k(b: np.ndarray):
@@ -206,7 +206,7 @@ def _iq4_xs(b: np.ndarray):
     low = _nibbles(b[:, 4:8]).transpose(0, 2, 1).reshape(len(b), 8)  # byte i: sub-blocks 2i, 2i + 1
     sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
     q = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(len(b), 256)
-    return q, np.repeat(sc, 2, axis=1), None, _f16(b, 0), None
+    return q, sc, None, _f16(b, 0), None
 
 
 # type: (decoder, form)
@@ -216,11 +216,11 @@ _TYPES = {
     T.Q4_1: (lambda b: _legacy(b, True, False), Form(4, 0, 32, sc=False, mn=False, dmin=True)),
     T.Q5_0: (lambda b: _legacy(b, False, True), Form(5, 16, 32, sc=False, mn=False, dmin=False)),
     T.Q5_1: (lambda b: _legacy(b, True, True), Form(5, 0, 32, sc=False, mn=False, dmin=True)),
-    T.Q2_K: (_q2_k, Form(4, 0, 256, sc=True, mn=True, dmin=True)),
-    T.Q3_K: (_q3_k, Form(4, 4, 256, sc=True, mn=False, dmin=False)),
+    T.Q2_K: (_q2_k, Form(4, 0, 256, sc=True, mn=True, dmin=True, sub_size=16)),
+    T.Q3_K: (_q3_k, Form(4, 4, 256, sc=True, mn=False, dmin=False, sub_size=16)),
     T.Q4_K: (lambda b: _q45_k(b, False), Form(4, 0, 256, sc=True, mn=True, dmin=True)),
     T.Q5_K: (lambda b: _q45_k(b, True), Form(5, 0, 256, sc=True, mn=True, dmin=True)),
-    T.Q6_K: (_q6_k, Form(6, 32, 256, sc=True, mn=False, dmin=False)),
+    T.Q6_K: (_q6_k, Form(6, 32, 256, sc=True, mn=False, dmin=False, sub_size=16)),
     T.IQ4_NL: (_iq4_nl, Form(4, 128, 32, sc=False, mn=False, dmin=False, lookup=True)),
     T.IQ4_XS: (_iq4_xs, Form(4, 128, 256, sc=True, mn=False, dmin=False, lookup=True)),
 }
@@ -253,20 +253,23 @@ def decode(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> QuantCodes:
     q, sc, mn, d, dmin = decoder(blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
     per_row = lambda a, width: None if a is None else np.ascontiguousarray(a).reshape(n, width)
     s = f.super_size
-    return QuantCodes(q=per_row(q, k), sc=per_row(sc, k // SUB), mn=per_row(mn, k // SUB), d=per_row(d, k // s),
-                      dmin=per_row(dmin, k // s), super_size=s, offset=f.offset, bits=f.bits, lookup=f.lookup)
+    u = f.sub_size
+    return QuantCodes(q=per_row(q, k), sc=per_row(sc, k // u), mn=per_row(mn, k // u), d=per_row(d, k // s),
+                      dmin=per_row(dmin, k // s), super_size=s, offset=f.offset, bits=f.bits, lookup=f.lookup,
+                      sub_size=u)
 
 
 def dequantize(c: QuantCodes) -> np.ndarray:
     """Codes -> float32 [N, K], in the canonical form's fp32 order (gguf's values bit for bit)."""
     n, k = c.q.shape
-    per16 = c.super_size // SUB
-    scale = np.repeat(c.d.astype(np.float32), per16, axis=1)  # [N, K / 16]
+    u = c.sub_size
+    subs = c.super_size // u
+    scale = np.repeat(c.d.astype(np.float32), subs, axis=1)  # [N, K / U]
     if c.sc is not None:
         scale *= c.sc
-    w = scale[..., None] * (c.codes8.reshape(n, k // SUB, SUB).astype(np.float32) - np.float32(c.offset))
+    w = scale[..., None] * (c.codes8.reshape(n, k // u, u).astype(np.float32) - np.float32(c.offset))
     if c.dmin is not None:
-        low = np.repeat(c.dmin.astype(np.float32), per16, axis=1)
+        low = np.repeat(c.dmin.astype(np.float32), subs, axis=1)
         if c.mn is not None:
             low *= c.mn
         w -= low[..., None]
@@ -275,7 +278,7 @@ def dequantize(c: QuantCodes) -> np.ndarray:
 
 def merged_form(forms: list[Form]) -> Form:
     """The one form of weights stacked by rows (concat_rows): theirs where they agree, else the
-    widest codes, the smallest super-block, every sub-scale and a min term, and their offset if
+    widest codes, the smallest super-block and sub-scale, every sub-scale and a min term, and their offset if
     they share one (else 0: the others are folded into the min term). Lookup codes stay so only
     among lookup codes; beside others they count as 8-bit codes."""
     if len(set(forms)) == 1:
@@ -284,26 +287,28 @@ def merged_form(forms: list[Form]) -> Form:
     lookup = all(f.lookup for f in forms)
     return Form(bits=max(8 if f.lookup and not lookup else f.bits for f in forms),
                 offset=offsets.pop() if len(offsets) == 1 else 0, super_size=min(f.super_size for f in forms),
-                sc=True, mn=True, dmin=True, lookup=lookup)
+                sc=True, mn=True, dmin=True, lookup=lookup, sub_size=min(f.sub_size for f in forms))
 
 
 def as_form(c: QuantCodes, form: Form) -> QuantCodes:
     """c's values in `form` (its own, or a merged_form with c among its parts): a super-block's
-    factors repeat exactly over smaller ones, absent sub-scales are 1, and an offset the form
+    factors and a sub-scale repeat exactly over smaller ones, absent sub-scales are 1, and an offset the form
     lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two),
     and lookup codes become the 8-bit codes they stand for unless the form looks them up too."""
     if c.form == form:
         return c
     widened = c.lookup and not form.lookup
     if not (form.sc and form.mn and form.dmin and form.bits >= (8 if widened else c.bits)
-            and c.super_size % form.super_size == 0 and (c.lookup or not form.lookup)):
+            and c.super_size % form.super_size == 0 and c.sub_size % form.sub_size == 0
+            and (c.lookup or not form.lookup)):
         raise ValueError(f"a weight in {c.form} does not fit {form}")
     n, k = c.shape
     d = np.repeat(c.d, c.super_size // form.super_size, axis=1)
-    sc = np.ones((n, k // SUB), np.int8) if c.sc is None else c.sc
+    sc = np.ones((n, k // form.sub_size), np.int8) if c.sc is None else \
+        np.repeat(c.sc, c.sub_size // form.sub_size, axis=1)
     if c.dmin is not None:
         dmin = np.repeat(c.dmin, c.super_size // form.super_size, axis=1)
-        mn = np.ones_like(sc) if c.mn is None else c.mn
+        mn = np.ones_like(sc) if c.mn is None else np.repeat(c.mn, c.sub_size // form.sub_size, axis=1)
     elif c.offset != form.offset:
         if form.offset or c.offset & (c.offset - 1):
             raise ValueError(f"offset {c.offset} cannot fold into a form with offset {form.offset}")
@@ -311,14 +316,15 @@ def as_form(c: QuantCodes, form: Form) -> QuantCodes:
     else:
         dmin, mn = np.zeros_like(d), np.zeros_like(sc)
     return QuantCodes(q=c.codes8 if widened else c.q, sc=sc, mn=mn, d=d, dmin=dmin, super_size=form.super_size,
-                      offset=form.offset, bits=form.bits, lookup=form.lookup)
+                      offset=form.offset, bits=form.bits, lookup=form.lookup, sub_size=form.sub_size)
 
 
 def _stacked(parts: list[QuantCodes], form: Form) -> QuantCodes:
     parts = [as_form(p, form) for p in parts]
     cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
     return QuantCodes(q=cat("q"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dmin=cat("dmin"),
-                      super_size=form.super_size, offset=form.offset, bits=form.bits, lookup=form.lookup)
+                      super_size=form.super_size, offset=form.offset, bits=form.bits, lookup=form.lookup,
+                      sub_size=form.sub_size)
 
 
 def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
@@ -357,6 +363,7 @@ class BlockCodes(QuantCodes):
     offset = property(lambda self: self._form.offset)
     super_size = property(lambda self: self._form.super_size)
     lookup = property(lambda self: self._form.lookup)
+    sub_size = property(lambda self: self._form.sub_size)
     q = property(lambda self: self.decoded().q)
     sc = property(lambda self: self.decoded().sc)
     mn = property(lambda self: self.decoded().mn)
@@ -422,8 +429,8 @@ class PackedCodes:
     """QuantCodes in csrc/kquant.c's blocks of 16 rows (B = ceil(N / 16), G = K / 32); contiguous."""
     lo: np.ndarray  # uint8 [B, G, 4, 16, 4]: codes' low nibbles, channels 16.. of a group in the high ones
     hi: np.ndarray | None  # uint8 [B, G, bits - 4, 8, 8]: bit planes 4.. as 64-bit masks over lo's bytes
-    sc: np.ndarray | None  # int8 [B, G, 2, 16]
-    mn: np.ndarray | None  # int8 [B, G, 2, 16]
+    sc: np.ndarray | None  # int8 [B, G, 32 / sub_size, 16]
+    mn: np.ndarray | None  # int8 [B, G, 32 / sub_size, 16]
     d: np.ndarray  # float16 [B, K / S, 16]
     dmin: np.ndarray | None  # float16 [B, K / S, 16]
     n: int
@@ -432,6 +439,7 @@ class PackedCodes:
     offset: int
     super_size: int
     lookup: bool = False  # 4-bit codes standing for IQ4_CODES[q]
+    sub_size: int = 32  # channels per sub-scale: 16 or 32
 
 
 def _row_blocks(a: np.ndarray) -> np.ndarray:
@@ -450,7 +458,8 @@ def pack(c: QuantCodes) -> PackedCodes:
     carpool.model.quant.pack_int4's layout. hi[b, g, p, j] (8 bytes) is a little-endian uint64
     whose bit i is bit 4 + p of the code lo[b, g, j % 4] holds at byte i (in its low nibble for
     j < 4, its high one for j >= 4): row 16b + i // 4, channel 32g + 16 (j // 4) + 4 (j % 4) + i % 4.
-    sc, mn[b, g, u, r] = sc, mn[16b + r, 2g + u]; d, dmin[b, s, r] = d, dmin[16b + r, s]."""
+    sc, mn[b, g, u, r] = sc, mn[16b + r, G' g + u] (G' = 32 / sub_size sub-scales a group);
+    d, dmin[b, s, r] = d, dmin[16b + r, s]."""
     n, k = c.shape
     if k % GROUP:
         raise ValueError(f"the kernel layout needs K divisible by {GROUP}; got {k}")
@@ -460,12 +469,13 @@ def pack(c: QuantCodes) -> PackedCodes:
     rows = _row_blocks(c.q).reshape(-1, ROWS, g, 2, 16)  # [B, row, G, half, channel]
     b = rows.shape[0]
     per_sub = lambda a: None if a is None else np.ascontiguousarray(
-        _row_blocks(a).reshape(b, ROWS, g, 2).transpose(0, 2, 3, 1))
+        _row_blocks(a).reshape(b, ROWS, g, GROUP // c.sub_size).transpose(0, 2, 3, 1))
     per_super = lambda a: None if a is None else np.ascontiguousarray(_row_blocks(a).transpose(0, 2, 1))
     if c.bits == 8:  # bytes: lo[b, g, j, r, c] = q[16b + r, 32g + 4j + c] (quant.pack_int8's layout)
         lo = np.ascontiguousarray(rows.reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4))
         return PackedCodes(lo=lo, hi=None, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d),
-                           dmin=per_super(c.dmin), n=n, k=k, bits=8, offset=c.offset, super_size=c.super_size)
+                           dmin=per_super(c.dmin), n=n, k=k, bits=8, offset=c.offset, super_size=c.super_size,
+                           sub_size=c.sub_size)
     nibbles = (rows[:, :, :, 0] & 15) | ((rows[:, :, :, 1] & 15) << 4)  # [B, row, G, 16]
     lo = np.ascontiguousarray(nibbles.reshape(b, ROWS, g, 4, 4).transpose(0, 2, 3, 1, 4))
     hi = None
@@ -475,20 +485,21 @@ def pack(c: QuantCodes) -> PackedCodes:
         planes = [np.packbits(top & (1 << p), axis=-1, bitorder="little") for p in range(c.bits - 4)]
         hi = np.ascontiguousarray(np.stack(planes, axis=2))
     return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
-                       n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size, lookup=c.lookup)
+                       n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size, lookup=c.lookup,
+                       sub_size=c.sub_size)
 
 
 def _pack_blocks(c: BlockCodes) -> PackedCodes:
     """pack() in C: each part's rows written from its blocks into zeroed arrays, in c's form."""
     f, (n, k) = c.form, c.shape
     b, g, supers = -(-n // ROWS), k // GROUP, k // f.super_size
-    planes = f.bits - 4 if 4 < f.bits < 8 else 0
+    planes, subs = f.bits - 4 if 4 < f.bits < 8 else 0, GROUP // f.sub_size
     zeros = lambda present, shape, dtype: np.zeros(shape, dtype) if present else None
     p = PackedCodes(lo=np.zeros((b, g, 8 if f.bits == 8 else 4, ROWS, 4), np.uint8),
-                    hi=zeros(planes, (b, g, planes, 8, 8), np.uint8), sc=zeros(f.sc, (b, g, 2, ROWS), np.int8),
-                    mn=zeros(f.mn, (b, g, 2, ROWS), np.int8), d=np.zeros((b, supers, ROWS), np.float16),
+                    hi=zeros(planes, (b, g, planes, 8, 8), np.uint8), sc=zeros(f.sc, (b, g, subs, ROWS), np.int8),
+                    mn=zeros(f.mn, (b, g, subs, ROWS), np.int8), d=np.zeros((b, supers, ROWS), np.float16),
                     dmin=zeros(f.dmin, (b, supers, ROWS), np.float16), n=n, k=k, bits=f.bits, offset=f.offset,
-                    super_size=f.super_size, lookup=f.lookup)
+                    super_size=f.super_size, lookup=f.lookup, sub_size=f.sub_size)
     tensors = tuple(None if a is None else torch.from_numpy(a) for a in (p.lo, p.hi, p.sc, p.mn, p.d, p.dmin))
     first = 0
     for part in c.parts:
@@ -513,4 +524,5 @@ def unpack(p: PackedCodes) -> QuantCodes:
     per_sub = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 3, 1, 2).reshape(b * ROWS, -1)[:p.n])
     per_super = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1).reshape(b * ROWS, -1)[:p.n])
     return QuantCodes(q=np.ascontiguousarray(q), sc=per_sub(p.sc), mn=per_sub(p.mn), d=per_super(p.d),
-                      dmin=per_super(p.dmin), super_size=p.super_size, offset=p.offset, bits=p.bits, lookup=p.lookup)
+                      dmin=per_super(p.dmin), super_size=p.super_size, offset=p.offset, bits=p.bits, lookup=p.lookup,
+                      sub_size=p.sub_size)

@@ -59,9 +59,11 @@ def check_decode(qtype: T, raw: np.ndarray, n: int, k: int) -> gguf_codes.QuantC
     assert (codes.n, codes.k) == (n, k)
     assert codes.q.dtype == np.uint8 and codes.q.max() <= MAX_CODE[qtype] < 2 ** codes.bits
     assert codes.d.dtype == np.float16 and codes.d.shape == (n, k // codes.super_size)
+    # the file's own sub-scales, not repeated: per 32 channels for Q4_K, Q5_K, IQ4_XS
+    assert codes.sub_size == (16 if qtype in (T.Q2_K, T.Q3_K, T.Q6_K) else 32)
     for name in ("sc", "mn"):
         if getattr(codes, name) is not None:
-            assert getattr(codes, name).dtype == np.int8 and getattr(codes, name).shape == (n, k // 16)
+            assert getattr(codes, name).dtype == np.int8 and getattr(codes, name).shape == (n, k // codes.sub_size)
     assert_bitwise(dequantize(codes), gguf_dequantize(raw, qtype))
     return codes
 
@@ -138,9 +140,11 @@ def test_pack_follows_the_layout_formulas(qtype):
         np.testing.assert_array_equal((masks[..., None] >> i.astype(np.uint64)) & np.uint64(1), want)
     for name in ("sc", "mn"):
         if getattr(c, name) is not None:
-            full = np.concatenate([getattr(c, name), np.zeros((-n % 16, k // 16), np.int8)])
+            full = np.concatenate([getattr(c, name), np.zeros((-n % 16, k // c.sub_size), np.int8)])
             b, g, u, r = np.indices(getattr(p, name).shape)
-            np.testing.assert_array_equal(getattr(p, name), full[16 * b + r, 2 * g + u])
+            subs = 32 // c.sub_size
+            assert getattr(p, name).shape[2] == subs
+            np.testing.assert_array_equal(getattr(p, name), full[16 * b + r, subs * g + u])
     for name in ("d", "dmin"):
         if getattr(c, name) is not None:
             full = np.concatenate([getattr(c, name), np.zeros((-n % 16, k // c.super_size), np.float16)])

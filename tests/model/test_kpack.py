@@ -173,8 +173,8 @@ def zeroed(n: int, k: int, form: gguf_codes.Form) -> cpu_kernels.KQTensors:
     planes = form.bits - 4 if 4 < form.bits < 8 else 0
     make = lambda on, shape, dtype: torch.zeros(shape, dtype=dtype) if on else None
     return (torch.zeros((b, g, 8 if form.bits == 8 else 4, 16, 4), dtype=torch.uint8),
-            make(planes, (b, g, planes, 8, 8), torch.uint8), make(form.sc, (b, g, 2, 16), torch.int8),
-            make(form.mn, (b, g, 2, 16), torch.int8), torch.zeros((b, s, 16), dtype=torch.float16),
+            make(planes, (b, g, planes, 8, 8), torch.uint8), make(form.sc, (b, g, 32 // form.sub_size, 16), torch.int8),
+            make(form.mn, (b, g, 32 // form.sub_size, 16), torch.int8), torch.zeros((b, s, 16), dtype=torch.float16),
             make(form.dmin, (b, s, 16), torch.float16))
 
 

@@ -61,10 +61,10 @@ def min_term(c: gguf_codes.QuantCodes) -> torch.Tensor:
     exact activations' sums, not by their int8 rounding."""
     if c.dmin is None:
         return torch.zeros(c.n, c.k, dtype=torch.float64)
-    low = np.repeat(c.dmin.astype(np.float64), c.super_size // 16, axis=1)
+    low = np.repeat(c.dmin.astype(np.float64), c.super_size // c.sub_size, axis=1)
     if c.mn is not None:
         low = low * c.mn
-    return -torch.from_numpy(np.repeat(low, 16, axis=1))
+    return -torch.from_numpy(np.repeat(low, c.sub_size, axis=1))
 
 
 def assert_within(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, out_dtype: torch.dtype,

@@ -11,7 +11,8 @@
    form gguf_codes.concat_rows gives the parts together:
    - codes keep their value: a narrower code leaves the higher bit planes 0; the IQ4 types'
      codes stay 4-bit table indices in a lookup form (all parts IQ4), else become 8-bit codes;
-   - d and m repeat over smaller super-blocks (a K-quant's 256 channels over 32-channel ones);
+   - d and m repeat over smaller super-blocks (a K-quant's 256 channels over 32-channel ones),
+     and sub-scales over smaller sub-blocks (Q4_K's per 32 channels beside Q6_K's per 16);
    - absent sub-scales are 1 (sc; mn where the tensor has a min term);
    - a tensor with no min term whose offset the form lacks folds it into the min term,
      m = fp16(d * offset) and mn = sc, exact as the offsets are powers of two; one whose offset
@@ -33,24 +34,25 @@
 #define PACK_GROUP 32
 
 /* A GGUF type as it decodes (gguf_codes.py's _TYPES): GGML's type number, channels and bytes
-   per block, code bits, offset, and which sub-scales and min term it has. */
+   per block, code bits, offset, which sub-scales and min term it has, and channels per sub-scale
+   (32 where it has none). */
 typedef struct {
-    int qtype, block_size, type_size, bits, offset, has_sc, has_mn, has_min;
+    int qtype, block_size, type_size, bits, offset, has_sc, has_mn, has_min, sub_size;
 } BlockType;
 
 static const BlockType TYPES[] = {
-    {2, 32, 18, 4, 8, 0, 0, 0},      /* Q4_0 */
-    {3, 32, 20, 4, 0, 0, 0, 1},      /* Q4_1 */
-    {6, 32, 22, 5, 16, 0, 0, 0},     /* Q5_0 */
-    {7, 32, 24, 5, 0, 0, 0, 1},      /* Q5_1 */
-    {8, 32, 34, 8, 128, 0, 0, 0},    /* Q8_0 */
-    {10, 256, 84, 4, 0, 1, 1, 1},    /* Q2_K */
-    {11, 256, 110, 4, 4, 1, 0, 0},   /* Q3_K */
-    {12, 256, 144, 4, 0, 1, 1, 1},   /* Q4_K */
-    {13, 256, 176, 5, 0, 1, 1, 1},   /* Q5_K */
-    {14, 256, 210, 6, 32, 1, 0, 0},  /* Q6_K */
-    {20, 32, 18, 8, 128, 0, 0, 0},   /* IQ4_NL */
-    {23, 256, 136, 8, 128, 1, 0, 0}, /* IQ4_XS */
+    {2, 32, 18, 4, 8, 0, 0, 0, 32},      /* Q4_0 */
+    {3, 32, 20, 4, 0, 0, 0, 1, 32},      /* Q4_1 */
+    {6, 32, 22, 5, 16, 0, 0, 0, 32},     /* Q5_0 */
+    {7, 32, 24, 5, 0, 0, 0, 1, 32},      /* Q5_1 */
+    {8, 32, 34, 8, 128, 0, 0, 0, 32},    /* Q8_0 */
+    {10, 256, 84, 4, 0, 1, 1, 1, 16},    /* Q2_K */
+    {11, 256, 110, 4, 4, 1, 0, 0, 16},   /* Q3_K */
+    {12, 256, 144, 4, 0, 1, 1, 1, 32},   /* Q4_K */
+    {13, 256, 176, 5, 0, 1, 1, 1, 32},   /* Q5_K */
+    {14, 256, 210, 6, 32, 1, 0, 0, 16},  /* Q6_K */
+    {20, 32, 18, 8, 128, 0, 0, 0, 32},   /* IQ4_NL */
+    {23, 256, 136, 8, 128, 1, 0, 0, 32}, /* IQ4_XS */
 };
 
 /* One block, decoded: codes, sub-scales per 16 channels (1 where the type has none), d, m (the
@@ -220,12 +222,13 @@ int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t 
     if ((out->lookup ? !iq4 || out->bits != 4 || out->offset != t->offset : t->bits > out->bits)
         || (out->bits != 8 && out->bits > 6) || k <= 0 || k % t->block_size
         || (s != 32 && s != 256) || s > t->block_size || first_row < 0 || count < 0 || first_row + count > out->n
+        || (out->sub_size != 16 && out->sub_size != 32) || out->sub_size > t->sub_size
         || !out->lo || !out->d || (planes && !out->hi) || (t->has_sc && !out->sc) || (t->has_mn && !out->mn)
         || (t->has_min && !out->m)
         || (t->offset != out->offset && (out->offset || t->has_min || (folds & (folds - 1)) || !out->m || !out->mn)))
         return 0;
     const int64_t groups = k / PACK_GROUP, supers = k / s, blocks_per_row = k / t->block_size;
-    const int64_t lo_bytes = out->bits == 8 ? 512 : 256;
+    const int64_t lo_bytes = out->bits == 8 ? 512 : 256, subs = PACK_GROUP / out->sub_size;
     uint8_t *lo = (uint8_t *)out->lo, *hi = (uint8_t *)out->hi;
     int8_t *sc = (int8_t *)out->sc, *mn = (int8_t *)out->mn;
     uint16_t *d = (uint16_t *)out->d, *m = (uint16_t *)out->m;
@@ -252,10 +255,10 @@ int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t 
                     const int64_t at = rb * groups + g;
                     write_group(blk.q + (g * PACK_GROUP - c0), r, (int)out->bits, lo + at * lo_bytes,
                                 planes ? hi + at * planes * 64 : NULL);
-                    for (int u = 0; u < 2; u++) {
+                    for (int u = 0; u < subs; u++) {  /* blk's per 16: a per-32 type's repeat */
                         const int sub = (int)((g * PACK_GROUP - c0) / 16) + u;
-                        if (sc) sc[(at * 2 + u) * PACK_ROWS + r] = blk.sc[sub];
-                        if (mn) mn[(at * 2 + u) * PACK_ROWS + r] = blk.mn[sub];
+                        if (sc) sc[(at * subs + u) * PACK_ROWS + r] = blk.sc[sub];
+                        if (mn) mn[(at * subs + u) * PACK_ROWS + r] = blk.mn[sub];
                     }
                 }
                 for (int64_t j = c0 / s; j < (c0 + t->block_size) / s; j++) {

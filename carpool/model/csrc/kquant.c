@@ -6,7 +6,8 @@
        w = (d * sc) * (q - offset) + m_sign * (m * mn)
    q an unsigned code of 4..8 bits (with `lookup`, the 8-bit code a stored 4-bit one indexes in
    the IQ4 types' table, IQ4_CODES: the kernels look it up as they unpack, and from there on
-   multiply it as 8-bit codes); sc, mn int8 per row and 16 input channels (absent: 1); d, m
+   multiply it as 8-bit codes); sc, mn int8 per row and 16 or 32 input channels (`sub_size`: the
+   file's own, so Q4_K's per-32 scales are not held twice; absent: 1); d, m
    fp16 per row and super-block of 32 or 256 channels (m absent: no min term). The 4-bit plane
    is quant_gemv.c's int4 layout (16 output rows per block, 4 channels of every row per 64 bytes;
    a group of 32 channels in 256 bytes, its second 16 in the high nibbles); 5 and 6 bits add one
@@ -84,6 +85,12 @@ static inline int64_t kq_groups(const KQuantWeight *w) { return w->k / KQ_GROUP;
 static inline int64_t code_bytes(const KQuantWeight *w) { return w->bits == 8 ? 512 : 256; }
 static inline int64_t plane_count(const KQuantWeight *w) { return w->bits == 8 ? 0 : w->bits - 4; }
 
+/* Where the sub-scales (sc, mn) of half u (channels 16u .. 16u + 15) of group bg start: 16 rows'
+   worth per sub-scale, one per half or one for the group. */
+static inline int64_t sub_at(const KQuantWeight *w, int64_t bg, int u) {
+    return (w->sub_size == 32 ? bg : bg * 2 + u) * KQ_ROWS;
+}
+
 /* One weight's value, in the form's fp32 order (reference and embedding rows): the products
    are exact, so two roundings, as gguf-py's; no contraction into an FMA, which would make one. */
 __attribute__((optimize("no-fast-math", "fp-contract=off")))
@@ -104,7 +111,7 @@ static float kq_value(const KQuantWeight *w, int64_t row, int64_t c) {
             q |= ((plane[bit / 8] >> (bit % 8)) & 1) << (4 + p);
         }
     }
-    const int64_t supers = w->k / w->super_size, s = c / w->super_size, sub = (bg * 2 + within / 16) * KQ_ROWS + r;
+    const int64_t supers = w->k / w->super_size, s = c / w->super_size, sub = sub_at(w, bg, (int)(within / 16)) + r;
     const float d = half_to_float(w->d[(b * supers + s) * KQ_ROWS + r]);
     float v = (d * (float)(w->sc ? w->sc[sub] : 1)) * (float)(q - w->offset);
     if (w->m) v += w->m_sign * (half_to_float(w->m[(b * supers + s) * KQ_ROWS + r]) * (float)(w->mn ? w->mn[sub] : 1));
@@ -192,7 +199,11 @@ static inline __attribute__((always_inline)) void group_scales(const KQuantWeigh
                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + at))))
                           : _mm512_setzero_ps();
     for (int u = 0; u < 2; u++) {
-        const int64_t sub = (bg * 2 + u) * KQ_ROWS;
+        if (u && w->sub_size == 32) {  /* one sub-scale for the group */
+            scale[1] = scale[0], bias[1] = bias[0];
+            break;
+        }
+        const int64_t sub = sub_at(w, bg, u);
         scale[u] = w->sc ? _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                _mm_loadu_si128((const __m128i *)(w->sc + sub))))) : d;
         bias[u] = w->mn ? _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -358,7 +369,11 @@ static inline __attribute__((always_inline)) void half_scales(const KQuantWeight
                                           _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + at))))
                           : _mm256_setzero_ps();
     for (int u = 0; u < 2; u++) {
-        const int64_t sub = (bg * 2 + u) * KQ_ROWS + 8 * h;
+        if (u && w->sub_size == 32) {  /* one sub-scale for the group */
+            scale[1] = scale[0], bias[1] = bias[0];
+            break;
+        }
+        const int64_t sub = sub_at(w, bg, u) + 8 * h;
         scale[u] = w->sc ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                _mm_loadl_epi64((const __m128i *)(w->sc + sub))))) : d;
         bias[u] = w->mn ? _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
