@@ -469,7 +469,8 @@ class KQuantWeight(ctypes.Structure):
     _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("bits", ctypes.c_int64), ("offset", ctypes.c_int64), ("super_size", ctypes.c_int64),
-                ("lookup", ctypes.c_int64), ("sub_size", ctypes.c_int64), ("m_sign", ctypes.c_float)]
+                ("lookup", ctypes.c_int64), ("sub_size", ctypes.c_int64), ("m_sign", ctypes.c_float),
+                ("next", ctypes.c_void_p)]
 
 
 def has_kq_matmul() -> bool:
@@ -537,15 +538,35 @@ class KQuantMatmul:
                  m_sign: float = -1.0, lookup: bool = False):
         _check_kq_tensors("KQuantMatmul", tensors, n, k, bits, super_size, lookup)
         self.n, self.k, self.tensors = n, k, tensors  # the tensors keep the pointers valid
+        self.parts: tuple[KQuantMatmul, ...] = ()  # stacked(): the parts, each in its own form
         self.form = (n, bits, offset, super_size, m_sign, lookup)
         ptr = lambda t: None if t is None else t.data_ptr()
         self.struct = KQuantWeight(*map(ptr, tensors), n, k, bits, offset, super_size, lookup, sub_size_of(tensors),
                                    m_sign)
         self._matmul = functools.partial(library().kq_matmul, ctypes.byref(self.struct))
 
+    @classmethod
+    def stacked(cls, parts: list[KQuantMatmul]) -> KQuantMatmul:
+        """Weights stacked by rows, each part in its own form (a fused q/k/v whose v has wider
+        codes than q and k): one call multiplies them all, each part into its columns (the C
+        structs linked by `next`)."""
+        if len(parts) == 1:
+            return parts[0]
+        if len({p.k for p in parts}) != 1 or any(p.parts for p in parts):
+            raise ValueError("stacked parts are single weights with one input size")
+        for part, after in zip(parts, parts[1:]):
+            part.struct.next = ctypes.addressof(after.struct)
+        self = cls.__new__(cls)
+        self.n, self.k, self.parts = sum(p.n for p in parts), parts[0].k, tuple(parts)
+        self.tensors = tuple(t for p in parts for t in p.tensors)
+        self.form, self.struct, self._matmul = None, parts[0].struct, parts[0]._matmul
+        return self
+
     def __call__(self, x: torch.Tensor, tile_from: int) -> torch.Tensor:
         """x: [tokens, k], fp32 or bf16; the bf16 tile kernel from `tile_from` tokens up (0: never)."""
         if torch.compiler.is_compiling():
+            if self.parts:
+                return torch.cat([p(x, tile_from) for p in self.parts], dim=-1)
             return torch.ops.carpool.kq_matmul(x, *self.tensors, *self.form, tile_from)
         x = x.contiguous()
         if not (x.is_cpu and (x.dtype is _BF16 or x.dtype is _F32) and x.dim() == 2 and x.shape[1] == self.k):

@@ -18,8 +18,12 @@ scale, 6-bit min, 32); Q6_K 6, 32, 256 (int8 scales, 16); IQ4_NL 4, 128, 32 and 
 (6-bit scale - 32, 32) with `lookup`: their 4-bit codes index a table of int8 values
 (IQ4_VALUES), so the code q stands for the 8-bit code IQ4_CODES[q] = value + 128, which the
 formula takes in its place. The kernels look the codes up as they read them: an IQ4 weight is
-held at the file's 4.25-4.5 bits. Stacked with weights of other types (merged_form), IQ4 codes
-become their 8-bit codes.
+held at the file's 4.25-4.5 bits. Stacked with weights of other types in one form (merged_form),
+IQ4 codes become their 8-bit codes.
+
+A fused projection (q/k/v, gate/up) whose parts differ in type is held in one form only where
+that costs little (stack_rows); else each run of parts keeps its own form, and the kernel takes
+the parts in one call (KQuantMatmul.stacked).
 
 Decoding and packing are numpy operations over the whole tensor, never Python loops over rows
 or blocks: they are the reference. A model's weights load another way, about 3x faster (numbers
@@ -328,13 +332,38 @@ def _stacked(parts: list[QuantCodes], form: Form) -> QuantCodes:
 
 
 def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
-    """Weights stacked by rows (the fused q/k/v or gate/up projections), in one form even when
-    their types differ (Q4_K_M files give v Q6_K, q and k Q4_K): merged_form's. BlockCodes stay
-    blocks (their parts listed, nothing copied)."""
+    """Weights stacked by rows in one form, merged_form's where their types differ. BlockCodes
+    stay blocks (their parts listed, nothing copied)."""
     form = merged_form([p.form for p in parts])
     if all(isinstance(p, BlockCodes) for p in parts):
         return BlockCodes(tuple(part for p in parts for part in p.parts), parts[0].k, form)
     return _stacked(parts, form)
+
+
+def bits_per_weight(form: Form) -> float:
+    """What a form holds per weight: its code bits, sub-scales and fp16 super-block factors."""
+    return form.bits + 8 * (form.sc + form.mn) / form.sub_size + 16 * (1 + form.dmin) / form.super_size
+
+
+MERGE_COST = 1.05  # stack_rows: one form for parts of several types, if it holds at most this much more
+
+
+def stack_rows(parts: list[QuantCodes]) -> list[QuantCodes]:
+    """Weights stacked by rows (the fused q/k/v or gate/up projections) as the runs to pack, each
+    run in one form: all in one (concat_rows), where that holds at most 5% more than the parts'
+    own forms, else each run of parts that share a form. One form saves a kernel call; Q4_K_M
+    files give v Q6_K beside q and k Q4_K, whose one form would give q and k 6-bit codes and
+    per-16 sub-scales: 1.5x their bytes (KQuantMatmul.stacked runs the parts in one call)."""
+    own = sum(p.n * bits_per_weight(p.form) for p in parts)
+    if sum(p.n for p in parts) * bits_per_weight(merged_form([p.form for p in parts])) <= MERGE_COST * own:
+        return [parts[0] if len(parts) == 1 else concat_rows(parts)]
+    runs = [[parts[0]]]
+    for p in parts[1:]:
+        if p.form == runs[-1][-1].form:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [run[0] if len(run) == 1 else concat_rows(run) for run in runs]
 
 
 # ---------------------------------------------------------------- the file's blocks, not decoded

@@ -185,13 +185,18 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
 
     @classmethod
-    def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype,
-                   kq: cpu_kernels.KQuantMatmul | None = None) -> QuantizedLinear:
-        """A layer that multiplies a GGUF tensor's own codes by csrc/kquant.c (`kq`: those codes
-        packed already, shared with a tied embedding)."""
+    def from_codes(cls, codes: gguf_codes.QuantCodes, bias: torch.Tensor | None, dtype: torch.dtype
+                   ) -> QuantizedLinear:
+        """A layer that multiplies a GGUF tensor's own codes by csrc/kquant.c."""
+        return cls.from_kernel(packed_kernel(codes), bias, dtype)
+
+    @classmethod
+    def from_kernel(cls, kq: cpu_kernels.KQuantMatmul, bias: torch.Tensor | None, dtype: torch.dtype
+                    ) -> QuantizedLinear:
+        """A layer over codes packed already (shared with a tied embedding, or stacked parts)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.kq = kq or packed_kernel(codes)
+        self.kq = kq
         self.mode, self.in_features, self.out_features, self.dtype = "gguf", self.kq.k, self.kq.n, dtype
         self.kernel = self.tiles = None
         self.tile_from = TILE_FROM if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() else 0
@@ -271,12 +276,14 @@ class CodesAssembly:
         rows = layer.num_embeddings if isinstance(layer, nn.Embedding) else layer.out_features
         if sum(c.n for _, c in parts) < rows:
             return
-        merged = parts[0][1] if len(parts) == 1 else \
-            gguf_codes.concat_rows([c for _, c in sorted(parts, key=lambda part: part[0])])
-        kq = self.last[1] if self.last is not None and self.last[0] is merged else packed_kernel(merged)
-        self.last = (merged, kq)
+        runs = gguf_codes.stack_rows([c for _, c in sorted(parts, key=lambda part: part[0])])
+        if self.last is not None and len(runs) == 1 and self.last[0] is runs[0]:
+            kq = self.last[1]
+        else:
+            kq = cpu_kernels.KQuantMatmul.stacked([packed_kernel(run) for run in runs])
+        self.last = (runs[0], kq) if len(runs) == 1 else None
         built = QuantizedEmbedding(kq, self.dtype) if isinstance(layer, nn.Embedding) else \
-            QuantizedLinear.from_codes(merged, layer.bias, self.dtype, kq)
+            QuantizedLinear.from_kernel(kq, layer.bias, self.dtype)
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, built)
         del self.parts[target], self.pending[target]

@@ -134,6 +134,46 @@ def test_both_kernels_agree_across_the_switch():
     assert (a - b).abs().max() <= 0.03 * b.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_stacked_parts_are_each_parts_product_in_its_columns(dtype):
+    """A fused q/k/v of a Q4_K_M file (v Q6_K) as parts in their own forms: one call gives every
+    part's own product, bit for bit, in its columns; rows read across the parts."""
+    k = 512
+    parts = [random_codes(qtype, n, k, seed=n)[0] for qtype, n in ((T.Q4_K, 40), (T.Q4_K, 8), (T.Q6_K, 21))]
+    runs = gguf_codes.stack_rows(parts)
+    assert [(r.n, r.bits, r.sub_size) for r in runs] == [(48, 4, 32), (21, 6, 16)]
+    singles = [kernel_for(r) for r in runs]
+    stacked = cpu_kernels.KQuantMatmul.stacked([kernel_for(r) for r in runs])
+    assert stacked.n == 69 and len(stacked.parts) == 2
+    for tokens, tile_from in ((1, 0), (3, 0), (9, 0), (20, 16)):
+        x = torch.randn(tokens, k).to(dtype)
+        want = torch.cat([single(x, tile_from if dtype is torch.bfloat16 else 0) for single in singles], dim=1)
+        got = stacked(x, tile_from if dtype is torch.bfloat16 else 0)
+        assert torch.equal(got, want)
+    rows = torch.tensor([0, 47, 48, 68, 5])
+    assert torch.equal(stacked.rows(rows), torch.cat([singles[0].rows(torch.arange(48)),
+                                                      singles[1].rows(torch.arange(21))])[rows])
+    x = torch.randn(3, k).to(dtype)  # in a graph, each part is its own carpool::kq_matmul
+    assert torch.equal(torch.compile(lambda x: stacked(x, 0), backend="eager", fullgraph=True)(x), stacked(x, 0))
+
+
+def test_one_form_for_parts_only_where_it_costs_little():
+    """stack_rows: parts of one type make one run; types whose one form would hold > 5% more stay
+    apart; a small part of a slightly wider type joins the rest."""
+    k = 256
+    q4k = lambda n: random_codes(T.Q4_K, n, k, seed=n)[0]
+    assert [r.n for r in gguf_codes.stack_rows([q4k(32), q4k(16)])] == [48]
+    q6k = random_codes(T.Q6_K, 16, k)[0]
+    assert [(r.n, r.bits) for r in gguf_codes.stack_rows([q4k(32), q4k(16), q6k])] == [(48, 4), (16, 6)]
+    # Q2_K (5.125 bits a weight) and Q3_K (4.5625): one form, Q2_K's, costs Q3_K's rows 12%
+    q2k, q3k = random_codes(T.Q2_K, 64, k)[0], random_codes(T.Q3_K, 16, k)[0]
+    (merged,) = gguf_codes.stack_rows([q2k, q3k])
+    assert (merged.n, merged.bits, merged.sub_size) == (80, 4, 16)
+    np.testing.assert_array_equal(gguf_codes.dequantize(merged),
+                                  np.concatenate([gguf_codes.dequantize(q2k), gguf_codes.dequantize(q3k)]))
+    assert len(gguf_codes.stack_rows([random_codes(T.Q2_K, 16, k)[0], random_codes(T.Q3_K, 64, k)[0]])) == 2
+
+
 def test_wrapper_refuses_mismatched_tensors():
     codes, _ = random_codes(T.Q6_K, 16, 256)
     p = gguf_codes.pack(codes)

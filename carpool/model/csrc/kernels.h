@@ -183,13 +183,15 @@ typedef struct {
 /* The layout of fused_layers' arguments (model/fused_layers.py mirrors these as ctypes Structures). */
 
 /* A weight in kquant.c's form: w = (d * sc) * (q - offset) + m_sign * (m * mn), per row; with
-   `lookup`, q = IQ4_CODES[the stored 4-bit code] (the IQ4 types' table), an 8-bit code. */
-typedef struct {
+   `lookup`, q = IQ4_CODES[the stored 4-bit code] (the IQ4 types' table), an 8-bit code. `next`:
+   the rows after these n, another part in its own form (a fused q/k/v whose v has wider codes). */
+typedef struct KQuantWeight {
     const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
     const int8_t *sc, *mn;    /* per sub_size (16 or 32) input channels, or NULL (1) */
     const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
     int64_t n, k, bits, offset, super_size, lookup, sub_size;
     float m_sign;
+    const struct KQuantWeight *next;  /* NULL: none */
 } KQuantWeight;
 
 /* GGUF's IQ4_NL / IQ4_XS table (gguf.quants.IQ4_NL.kvalues) as 8-bit codes, value + 128: a 4-bit

@@ -121,12 +121,16 @@ static float kq_value(const KQuantWeight *w, int64_t row, int64_t c) {
 /* Rows `rows[i]` of the weight, dequantized into out [count, k] (fp32, or bf16 rounded from it):
    embedding lookups, and the reference the tests compare the packing with. */
 void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *out, int is_bf16) {
-    for (int64_t i = 0; i < count; i++)
+    for (int64_t i = 0; i < count; i++) {
+        const KQuantWeight *part = w;
+        int64_t row = rows[i];
+        while (row >= part->n && part->next) row -= part->n, part = part->next;
         for (int64_t c = 0; c < w->k; c++) {
-            const float v = kq_value(w, rows[i], c);
+            const float v = kq_value(part, row, c);
             if (is_bf16) ((uint16_t *)out)[i * w->k + c] = float_to_bf16(v);
             else ((float *)out)[i * w->k + c] = v;
         }
+    }
 }
 
 #ifdef HAVE_KQ
@@ -931,8 +935,8 @@ static int tile_matmul(const TileSource *src, const uint16_t *x, void *out, int6
 /* out[tokens, n] = x[tokens, k] @ W.T (x, out fp32 or bf16 by is_bf16, rows dense): the bf16
    tile kernel from `tile_from` tokens up (bf16 only, where the CPU has it; 0: never), the integer
    kernel below. Returns 0 when out of memory or when this CPU runs neither. */
-int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
-              int64_t tile_from) {
+static int part_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16,
+                       int num_threads, int64_t tile_from) {
 #ifdef HAVE_KQ_GEMM
     if (is_bf16 && tile_from > 0 && tokens >= tile_from) {
         const TileSource src = {w, NULL, w->n, w->k};
@@ -946,6 +950,32 @@ int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, i
     (void)w, (void)x, (void)out, (void)tokens, (void)is_bf16, (void)num_threads, (void)tile_from;
     return 0;
 #endif
+}
+
+/* Parts stacked by rows (`next`), each in its own form: part by part into their columns of out.
+   One token's columns of a part are contiguous; more tokens' go through a buffer. */
+int kq_matmul(const KQuantWeight *w, const void *x, void *out, int64_t tokens, int is_bf16, int num_threads,
+              int64_t tile_from) {
+    if (!w->next) return part_matmul(w, x, out, tokens, is_bf16, num_threads, tile_from);
+    const size_t size = is_bf16 ? 2 : 4;
+    int64_t n = 0;
+    for (const KQuantWeight *part = w; part; part = part->next) n += part->n;
+    int64_t row0 = 0;
+    for (const KQuantWeight *part = w; part; row0 += part->n, part = part->next) {
+        if (tokens == 1) {
+            if (!part_matmul(part, x, (char *)out + row0 * size, 1, is_bf16, num_threads, tile_from)) return 0;
+            continue;
+        }
+        char *columns = malloc((size_t)(tokens * part->n) * size);
+        if (!columns || !part_matmul(part, x, columns, tokens, is_bf16, num_threads, tile_from)) {
+            free(columns);
+            return 0;
+        }
+        for (int64_t t = 0; t < tokens; t++)
+            memcpy((char *)out + (t * n + row0) * size, columns + t * part->n * size, (size_t)part->n * size);
+        free(columns);
+    }
+    return 1;
 }
 
 /* ---------------------------------------------------------------- bf16 weights as stored tiles */
