@@ -499,7 +499,7 @@ KQTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.
 
 def sub_size_of(tensors: KQTensors) -> int:
     """Channels per sub-scale of a weight's tensors (sc, mn [blocks, groups, 32 / sub_size, 16]):
-    16 or 32, and 32 where it has none."""
+    16 or 32; 32 where it has none, 0 where their shape is neither."""
     subs = next((t.shape[2] for t in tensors[2:4] if t is not None and t.dim() == 4), 1)
     return 32 // subs if subs in (1, 2) else 0
 
