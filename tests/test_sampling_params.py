@@ -172,8 +172,8 @@ def test_validation_accepts_exactly_the_valid_region(max_tokens, min_tokens, tem
 
 
 def test_output_kind_is_vllms_enum():
-    for given in (RequestOutputKind.DELTA, "delta"):
-        assert SamplingParams(output_kind=given).output_kind is RequestOutputKind.DELTA
+    for kind in (RequestOutputKind.DELTA, "delta"):
+        assert SamplingParams(output_kind=kind).output_kind is RequestOutputKind.DELTA
     assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
     assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
     assert [k.name for k in RequestOutputKind] == ["CUMULATIVE", "DELTA", "FINAL_ONLY"]
