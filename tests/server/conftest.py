@@ -10,6 +10,7 @@ loop) start their own.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import fastapi.dependencies.models
 import httpx
 import pytest
 import uvicorn
@@ -57,8 +59,21 @@ class Served:
         return metric_value(self.url, name, **labels)
 
     def stop(self) -> None:
+        """Stop serving and let go of the engine (a few hundred MB each)."""
         self.uvicorn.should_exit = True
         self.thread.join(30)
+        forget_endpoints()
+
+
+def forget_endpoints() -> None:
+    """FastAPI keeps every endpoint function it has classified in module-level lru_caches, and an
+    app's endpoints close over its engine: a stopped test server's engine (model, KV cache) would
+    stay in memory for the rest of the session (about 19 GB by the end of a CI run)."""
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cache = getattr(fastapi.dependencies.models, name, None)
+        if cache is not None:
+            cache.cache_clear()
+    gc.collect()  # the engine sits in reference cycles
 
 
 def start_server(engine: LLMEngine, **app_kwargs) -> Served:
@@ -110,7 +125,8 @@ def metric_value(url: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server_factory():
-    """Start extra servers (own engine settings); they stop when the module ends."""
+    """Start extra servers (own engine settings); they stop at `make.stop(server)` or when the
+    module ends."""
     started: list[Served] = []
 
     def make(engine_kwargs: dict | None = None, **app_kwargs) -> Served:
@@ -119,6 +135,11 @@ def server_factory():
         started.append(s)
         return s
 
+    def stop(s: Served) -> None:
+        started.remove(s)
+        s.stop()
+
+    make.stop = stop
     yield make
     for s in started:
         s.stop()
@@ -187,8 +208,16 @@ async def http(request, anyio_backend):
 @pytest.fixture(params=BOTH)
 def make_http(request, anyio_backend):
     """`async with make_http(**server options) as http`: a server of its own with those options,
-    on the scripted engine (default suite) or a real engine (slow suite)."""
+    on the scripted engine (default suite) or a real engine (slow suite; stopped after the test)."""
     if request.param == "scripted":
-        return lambda **options: serve(request.getfixturevalue("scripted"), **options)
-    factory = request.getfixturevalue("server_factory")
-    return lambda **options: real_http(factory(**options))
+        yield lambda **options: serve(request.getfixturevalue("scripted"), **options)
+        return
+    factory, made = request.getfixturevalue("server_factory"), []
+
+    def make(**options):
+        made.append(factory(**options))
+        return real_http(made[-1])
+
+    yield make
+    for s in made:
+        factory.stop(s)
