@@ -4,6 +4,8 @@ column cuts, and fused projections whose parts differ in type; and the wrapper's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -204,3 +206,7 @@ def test_the_wrapper_refuses_what_c_would_misread():
     q4_raw = raw_blocks(T.Q4_K, 8, 256, seed=10)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.kq_pack(q4_raw, int(T.Q4_K), rows, tensors, *args, 0)
+    # Q6_K's per-16 sub-scales do not fit a form of 6-bit codes with one sub-scale per 32 channels
+    per_32 = zeroed(8, 256, replace(q6, sub_size=32))
+    with pytest.raises(ValueError, match="sub-scales per 32 channels"):
+        cpu_kernels.kq_pack(raw, int(T.Q6_K), rows, per_32, *args, 0)
