@@ -112,7 +112,8 @@ class QuantCodes:
         _check_columns(self, start, stop)
         s = self.super_size
         cut = lambda a, per: None if a is None else np.ascontiguousarray(a[:, start // per:stop // per])
-        return replace(self, q=cut(self.q, 1), sc=cut(self.sc, self.sub_size), mn=cut(self.mn, self.sub_size), d=cut(self.d, s),
+        u = self.sub_size
+        return replace(self, q=cut(self.q, 1), sc=cut(self.sc, u), mn=cut(self.mn, u), d=cut(self.d, s),
                        dmin=cut(self.dmin, s))
 
 
@@ -282,9 +283,9 @@ def dequantize(c: QuantCodes) -> np.ndarray:
 
 def merged_form(forms: list[Form]) -> Form:
     """The one form of weights stacked by rows (concat_rows): theirs where they agree, else the
-    widest codes, the smallest super-block and sub-scale, every sub-scale and a min term, and their offset if
-    they share one (else 0: the others are folded into the min term). Lookup codes stay so only
-    among lookup codes; beside others they count as 8-bit codes."""
+    widest codes, the smallest super-block and sub-scale size, every sub-scale and a min term, and
+    their offset if they share one (else 0: the others are folded into the min term). Lookup codes
+    stay so only among lookup codes; beside others they count as 8-bit codes."""
     if len(set(forms)) == 1:
         return forms[0]
     offsets = {f.offset for f in forms}
@@ -296,9 +297,10 @@ def merged_form(forms: list[Form]) -> Form:
 
 def as_form(c: QuantCodes, form: Form) -> QuantCodes:
     """c's values in `form` (its own, or a merged_form with c among its parts): a super-block's
-    factors and a sub-scale repeat exactly over smaller ones, absent sub-scales are 1, and an offset the form
-    lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are powers of two),
-    and lookup codes become the 8-bit codes they stand for unless the form looks them up too."""
+    factors and a sub-scale repeat exactly over smaller blocks, absent sub-scales are 1, and an
+    offset the form lacks goes into the min term (w = d sc q - (offset d) sc, exact: offsets are
+    powers of two), and lookup codes become the 8-bit codes they stand for unless the form looks
+    them up too."""
     if c.form == form:
         return c
     widened = c.lookup and not form.lookup
