@@ -42,6 +42,7 @@ def _return_freed_memory():
     if hasattr(libc, "malloc_trim"):  # glibc
         libc.malloc_trim(0)
 
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
