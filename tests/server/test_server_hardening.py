@@ -215,6 +215,7 @@ def test_steps_failing_in_a_row_mark_the_engine_dead(server_factory, monkeypatch
 
 
 async def test_a_dead_engine_is_503_and_says_nothing_of_why(api, scripted):
+    scripted.paused = True  # neither request may finish before the engine dies
     stream = asyncio.ensure_future(api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1000,
                                                                       "ignore_eos": True, "stream": True}))
     whole = asyncio.ensure_future(api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1000,
