@@ -192,16 +192,19 @@ static inline __attribute__((always_inline)) void group_codes(const KQuantWeight
     }
 }
 
-/* A group's fp32 factors per row: scale[u] = d * sc and bias[u] = m_sign * m * mn for its halves
-   u = 0, 1 (channels 0..15, 16..31). */
-static inline __attribute__((always_inline)) void group_scales(const KQuantWeight *w, int64_t b, int64_t g,
+/* Super-block s of block b's fp16 factors per row, as fp32: d, and m_sign * m (0 without a min). */
+static inline __attribute__((always_inline)) void super_factors(const KQuantWeight *w, int64_t b, int64_t s,
+                                                                __m512 *d, __m512 *m) {
+    const int64_t at = (b * (w->k / w->super_size) + s) * KQ_ROWS;
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + at)));
+    *m = w->m ? _mm512_mul_ps(_mm512_set1_ps(w->m_sign), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + at))))
+              : _mm512_setzero_ps();
+}
+
+/* Group bg's fp32 factors per row, from its super-block's (super_factors): scale[u] = d * sc and
+   bias[u] = m_sign * m * mn for its halves u = 0, 1 (channels 0..15, 16..31). */
+static inline __attribute__((always_inline)) void group_scales(const KQuantWeight *w, int64_t bg, __m512 d, __m512 m,
                                                                __m512 scale[2], __m512 bias[2]) {
-    const int64_t supers = w->k / w->super_size, at = (b * supers + g * KQ_GROUP / w->super_size) * KQ_ROWS;
-    const int64_t bg = b * kq_groups(w) + g;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + at)));
-    const __m512 m = w->m ? _mm512_mul_ps(_mm512_set1_ps(w->m_sign),
-                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + at))))
-                          : _mm512_setzero_ps();
     for (int u = 0; u < 2; u++) {
         if (u && w->sub_size == 32) {  /* one sub-scale for the group */
             scale[1] = scale[0], bias[1] = bias[0];
@@ -213,6 +216,14 @@ static inline __attribute__((always_inline)) void group_scales(const KQuantWeigh
         bias[u] = w->mn ? _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                               _mm_loadu_si128((const __m128i *)(w->mn + sub))))) : m;
     }
+}
+
+/* Four int8 activations (one quad), in every 32-bit lane: a broadcast from memory, which
+   `vpdpbusd` takes as its operand. */
+static inline __attribute__((always_inline)) __m512i quad_at(const int8_t *x) {
+    int32_t quad;
+    memcpy(&quad, x, sizeof quad);
+    return _mm512_set1_epi32(quad);
 }
 
 static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, int32_t offset,
@@ -232,36 +243,44 @@ static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k
 
 /* Block b of the weight against `tn` tokens from t0. tn, and whether the form has an offset and a
    min term, are constants where inlined, so each form does only its own work: per group and
-   token, 8 `vpdpbusd` and, for the two halves' sums, 2 conversions and 3 multiply-adds (the
-   weights' factors, then the token's scale), 2 more for a min term. */
+   token, 8 `vpdpbusd` (each with its quad of activations broadcast from memory) and, for the two
+   halves' sums, 2 conversions and 3 multiply-adds (the weights' factors, then the token's scale),
+   2 more for a min term. A super-block's factors are read once for its groups. */
 static inline __attribute__((always_inline)) void int_block(const KQuantWeight *w, const HalfActivations *a,
                                                             int64_t b, int64_t t0, const int tn, const int has_offset,
                                                             const int has_min, __m512 acc[KQ_TILE]) {
-    const int64_t groups = a->groups, k = w->k;
+    const int one_sub = w->sub_size == 32;
+    const int64_t groups = a->groups, k = w->k, per_super = w->super_size / KQ_GROUP;
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t bg = b * groups + g;
-        _mm_prefetch((const char *)(w->lo + (bg + 8) * code_bytes(w)), _MM_HINT_T0);
-        __m512i q[8];
-        __m512 scale[2], bias[2];
-        group_codes(w, bg, q);
-        group_scales(w, b, g, scale, bias);
-        for (int t = 0; t < tn; t++) {
-            const int64_t v = (t0 + t) * groups + g;
-            int32_t quads[8];
-            memcpy(quads, a->q + (t0 + t) * k + g * KQ_GROUP, sizeof quads);
-            __m512i h0 = has_offset ? _mm512_set1_epi32(a->start[2 * v]) : _mm512_setzero_si512();
-            __m512i h1 = has_offset ? _mm512_set1_epi32(a->start[2 * v + 1]) : _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) {
-                h0 = _mm512_dpbusd_epi32(h0, q[j], _mm512_set1_epi32(quads[j]));
-                h1 = _mm512_dpbusd_epi32(h1, q[j + 4], _mm512_set1_epi32(quads[j + 4]));
-            }
-            const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), scale[1],
-                                             _mm512_mul_ps(_mm512_cvtepi32_ps(h0), scale[0]));
-            acc[t] = _mm512_fmadd_ps(y, _mm512_set1_ps(a->scale[v]), acc[t]);
-            if (has_min) {
-                acc[t] = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v]), acc[t]);
-                acc[t] = _mm512_fmadd_ps(bias[1], _mm512_set1_ps(a->sum[2 * v + 1]), acc[t]);
+    for (int64_t g0 = 0; g0 < groups; g0 += per_super) {
+        __m512 d, m;
+        super_factors(w, b, g0 / per_super, &d, &m);
+        for (int64_t g = g0; g < g0 + per_super; g++) {
+            const int64_t bg = b * groups + g;
+            _mm_prefetch((const char *)(w->lo + (bg + 8) * code_bytes(w)), _MM_HINT_T0);
+            __m512i q[8];
+            __m512 scale[2], bias[2];
+            group_codes(w, bg, q);
+            group_scales(w, bg, d, m, scale, bias);
+            for (int t = 0; t < tn; t++) {
+                const int64_t v = (t0 + t) * groups + g;
+                const int8_t *x = a->q + (t0 + t) * k + g * KQ_GROUP;
+                __m512i h0 = has_offset ? _mm512_set1_epi32(a->start[2 * v]) : _mm512_setzero_si512();
+                __m512i h1 = has_offset ? _mm512_set1_epi32(a->start[2 * v + 1]) : _mm512_setzero_si512();
+                for (int j = 0; j < 4; j++) {
+                    h0 = _mm512_dpbusd_epi32(h0, q[j], quad_at(x + 4 * j));
+                    h1 = _mm512_dpbusd_epi32(h1, q[j + 4], quad_at(x + 16 + 4 * j));
+                }
+                const __m512 y = one_sub ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), scale[0])
+                                         : _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), scale[1],
+                                                           _mm512_mul_ps(_mm512_cvtepi32_ps(h0), scale[0]));
+                acc[t] = _mm512_fmadd_ps(y, _mm512_set1_ps(a->scale[v]), acc[t]);
+                if (has_min && one_sub) {
+                    acc[t] = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v] + a->sum[2 * v + 1]), acc[t]);
+                } else if (has_min) {
+                    acc[t] = _mm512_fmadd_ps(bias[0], _mm512_set1_ps(a->sum[2 * v]), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(bias[1], _mm512_set1_ps(a->sum[2 * v + 1]), acc[t]);
+                }
             }
         }
     }
@@ -711,11 +730,14 @@ static void dequantize_block(const KQuantWeight *w, int64_t b, uint8_t *tile, in
         for (int r = 0; r < 16; r++) by_channel[c * 16 + r] = (uint8_t)(r * 4 + c);
     for (int i = 0; i < 16; i++) pairs[2 * i] = (uint16_t)i, pairs[2 * i + 1] = (uint16_t)(32 + i);
     const __m512i transpose = _mm512_loadu_si512(by_channel), interleave = _mm512_loadu_si512(pairs);
+    const int64_t per_super = w->super_size / KQ_GROUP;
+    __m512 d = _mm512_setzero_ps(), m = d;
     for (int64_t g = 0; g < kq_groups(w); g++) {
         __m512i q[8];
         __m512 scale[2], bias[2];
+        if (g % per_super == 0) super_factors(w, b, g / per_super, &d, &m);
         group_codes(w, b * kq_groups(w) + g, q);
-        group_scales(w, b, g, scale, bias);
+        group_scales(w, b * kq_groups(w) + g, d, m, scale, bias);
         for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
             bias[u] = _mm512_fnmadd_ps(scale[u], _mm512_set1_ps((float)w->offset), bias[u]);
         for (int j = 0; j < 8; j++) {
