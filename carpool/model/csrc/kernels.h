@@ -158,6 +158,15 @@ static inline float quantize_group32(const void *x, int64_t i, int is_bf16, int8
 
 /* 16 rows of one token's output at out + i (fp32 or bf16, rounded to nearest even as torch
    does); the rows past `live` (a last, partial block of rows) are not written. */
+/* Four int8 activations (one quad) in every 32-bit lane: a broadcast from memory. Copied to an
+   array first, gcc reads the quads into general registers and moves each over (Zen 4: a 16-token
+   Q4_K product took 3.02 ms that way, 2.49 ms this way). */
+static inline __m512i quad_at(const int8_t *x) {
+    int32_t quad;
+    memcpy(&quad, x, sizeof quad);
+    return _mm512_set1_epi32(quad);
+}
+
 static inline void store16(void *out, int64_t i, __m512 v, int64_t live, int is_bf16) {
     const __mmask16 mask = live >= 16 ? 0xffff : (__mmask16)((1u << live) - 1);
     if (!is_bf16) {

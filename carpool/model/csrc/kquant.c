@@ -218,14 +218,6 @@ static inline __attribute__((always_inline)) void group_scales(const KQuantWeigh
     }
 }
 
-/* Four int8 activations (one quad), in every 32-bit lane: a broadcast from memory, which
-   `vpdpbusd` takes as its operand. */
-static inline __attribute__((always_inline)) __m512i quad_at(const int8_t *x) {
-    int32_t quad;
-    memcpy(&quad, x, sizeof quad);
-    return _mm512_set1_epi32(quad);
-}
-
 static int quantize_halves(const void *x, int is_bf16, int64_t tokens, int64_t k, int32_t offset,
                            HalfActivations *a) {
     if (!alloc_halves(tokens, k, a)) return 0;

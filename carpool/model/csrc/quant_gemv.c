@@ -104,12 +104,11 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
 static inline __attribute__((always_inline)) void group_dots(
         const __m512i w[8], const int8_t *xq, int64_t k, const int tn, const __m512i start[TILE], __m512i dot[TILE]) {
     for (int t = 0; t < tn; t++) {
-        int32_t quads[8];
-        memcpy(quads, xq + t * k, sizeof quads);
+        const int8_t *x = xq + t * k;
         __m512i d0 = start[t], d1 = _mm512_setzero_si512();  /* two chains: half the latency */
         for (int j = 0; j < 8; j += 2) {
-            d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(quads[j]));
-            d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(quads[j + 1]));
+            d0 = _mm512_dpbusd_epi32(d0, w[j], quad_at(x + 4 * j));
+            d1 = _mm512_dpbusd_epi32(d1, w[j + 1], quad_at(x + 4 * j + 4));
         }
         dot[t] = _mm512_add_epi32(d0, d1);
     }
