@@ -4,7 +4,7 @@ For every weight shape of the model (fused QKV, O, fused gate/up, down, LM head)
 times carpool's quantized layers as the engine calls them (int4 / int8: csrc/quant_gemv.c at decode
 sizes; GGUF Q4_K / Q6_K / IQ4_XS: csrc/kquant.c, IQ4_XS also as the 8-bit codes its values become
 beside other types; all from their own codes at every size, the bf16
-tile kernel from quant.TILE_FROM tokens), torch's `_weight_int8pack_mm` and
+tile kernel from quant.tile_from() tokens), torch's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu`, and the bf16 tiles (`TiledLinear`) the engine uses for unquantized
 models where the CPU has AVX512-BF16, against bf16 `F.linear` and the oneDNN-packed `PackedLinear`
 it uses elsewhere. Each shape has one weight per layer, called in

@@ -75,5 +75,5 @@ class CompiledLayers:
 
 def warm_up_sizes(model: nn.Module, min_tokens: int = COMPILE_MIN_TOKENS) -> list[int]:
     """Token counts that reach every compiled graph. Quantized layers switch kernels at
-    quant.TILE_FROM tokens, below the smallest compiled step, so one size does."""
+    quant.tile_from() tokens (16, or never), below the smallest compiled step, so one size does."""
     return [min_tokens]

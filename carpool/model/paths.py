@@ -7,7 +7,7 @@ Three paths compute the same layers; the model runner picks one per step (`choos
 - eager (model/llama.py): the model's own forward, one module call at a time.
 
 The fused path runs steps of up to FUSED_MAX_TOKENS tokens, with the kernels the eager layers
-pick (the integer kernels below quant.TILE_FROM tokens, the tile kernel from there): a whole fused
+pick (the integer kernels below quant.tile_from() tokens, the tile kernel from there): a whole fused
 step beat the eager one at every batch size up to 31 (decode-only, context 512: 3.8 vs 8.3 ms at
 1 decode, 15.6 vs 20.3 at 8, 28.8 vs 40.3 at 16, 53.6 vs 61.7 at 31, a sweep of decode-only
 steps over both paths; Intel Xeon with AMX, 2 threads, 2026-12-01), and the compiled one from 32

@@ -9,12 +9,12 @@ Each layer holds one copy of its weights, quantized; no dense copy sits beside t
   Q4_1 / Q8_0 GGUF requantized this way gives back its own codes. csrc/quant_gemv.c runs them at
   decode sizes (and the fused layers, model/fused_layers.py).
 
-Two kernels per layer, by token count. Up to TILE_FROM tokens (decode steps), the integer
+Two kernels per layer, by token count. Below `tile_from()` tokens (decode steps), the integer
 kernels: activations quantized to int8 per 32 channels, integer dot products, so a step reads
-each weight byte once and reads 2-4x fewer bytes than bf16. From TILE_FROM tokens (prefill chunks),
+each weight byte once and reads 2-4x fewer bytes than bf16. From there (prefill chunks),
 kquant.c's tile kernel: each block of 16 rows is dequantized to bf16 once, in cache, and
-multiplied against all of the chunk's tokens. Without AVX512-BF16 the integer kernels run at
-every size.
+multiplied against all of the chunk's tokens. Without AVX512-BF16, and on CPUs where the
+integer kernel is the faster one at a chunk's size too, the integer kernels run at every size.
 In fp32 (the reference arithmetic) and on CPUs without the C kernels, torch's
 `_weight_int8pack_mm` (a scale per output channel) and `_weight_int4pack_mm_for_cpu`
 ((code - 8) * scale + zero per group of 32) run.
@@ -22,9 +22,16 @@ In fp32 (the reference arithmetic) and on CPUs without the C kernels, torch's
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
+import tempfile
+import time
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from carpool.model import cpu_kernels, gguf_codes
@@ -111,12 +118,61 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 # From this many tokens, the bf16 tile kernel (dequantize a block once, reuse it across the
-# chunk) runs instead of the integer kernel: the integer kernel's time grows with every token,
-# the tile kernel's barely until its dequantization is paid for, and the two meet around 16
-# tokens on a 2-core AMD EPYC Zen 5 (`carpool bench quant`: the layers as the engine runs them,
-# BENCHMARKS.md "GGUF K-quants at 1B"). A constant, not a measurement at start: a run's outputs
-# do not depend on how busy the host was while it started.
+# chunk) runs instead of the integer kernel, where it is the faster one at a chunk's size: the
+# integer kernel's time grows with every token, the tile kernel's barely until its dequantization
+# is paid for, and the two meet around 16 tokens on a 2-core AMD EPYC Zen 5 (`carpool bench
+# quant`: the layers as the engine runs them, BENCHMARKS.md "GGUF K-quants at 1B").
 TILE_FROM = 16
+TILE_PROBE = (4096, 2048, 64)  # rows, input channels, tokens: the product tile_from() times
+TILE_MARGIN = 1.1  # how much faster the integer kernel must be there to run at every size
+
+
+def measure_kernels(rounds: int = 5) -> tuple[float, float]:
+    """Seconds for a random Q4_K weight's product (TILE_PROBE) on the integer kernel and on the
+    tile kernel: the best of `rounds` calls each, alternating."""
+    n, k, tokens = TILE_PROBE
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)  # Q4_K: d, dmin, scales, codes
+    blocks[..., :4] = np.full(2, 0.01, np.float16).view(np.uint8)  # finite d and dmin
+    kernel = packed_kernel(gguf_codes.decode(blocks.reshape(n, -1), GGMLQuantizationType.Q4_K, (n, k)))
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds + 1):  # the first round warms up
+        for i, tile_from in enumerate((0, 1)):
+            start = time.perf_counter()
+            kernel(x, tile_from)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+@functools.cache
+def tile_from() -> int:
+    """The token count from which quantized layers run the tile kernel on this CPU; 0: never.
+    TILE_FROM, unless the integer kernel is TILE_MARGIN times faster at a 64-token chunk
+    (measure_kernels), as on AMD Zen 4, whose AVX-512 runs on 256-bit units: there `vpdpbusd`'s 64
+    multiply-adds an instruction beat `vdpbf16ps`'s 32 and the tile's dequantization at every size
+    (a 1B gate/up weight in Q4_K: 2.5 vs 4.4 ms at 16 tokens, 8.5 vs 11.4 at 64, 37.7 vs 41.5 at
+    256). Measured once per CPU and kernel build, and kept beside the built kernels, so that every
+    later process (a server, its profile, a benchmark) multiplies alike; with AMX the tile kernel
+    always runs from TILE_FROM."""
+    if not cpu_kernels.has_kq_tiles():
+        return 0
+    if cpu_kernels.has_amx():
+        return TILE_FROM
+    path = cpu_kernels.build().with_suffix(".tile_from.json")
+    try:
+        return int(json.loads(path.read_text())["tile_from"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    integer, tiles = measure_kernels()
+    chosen = 0 if integer * TILE_MARGIN <= tiles else TILE_FROM
+    log.info("quantized layers: %s (a %dx%d weight, %d tokens: integer kernel %.2f ms, tile kernel %.2f ms)",
+             "the integer kernel at every size" if chosen == 0 else f"the tile kernel from {chosen} tokens",
+             *TILE_PROBE[:2], TILE_PROBE[2], integer * 1e3, tiles * 1e3)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+        json.dump({"tile_from": chosen, "integer_s": integer, "tile_s": tiles, "probe": TILE_PROBE}, f)
+    os.replace(f.name, path)  # atomic: concurrent processes each write their own file
+    return chosen
 
 
 def _tiles(tensors: cpu_kernels.KQTensors, n: int, k: int, bits: int, offset: int, m_sign: float
@@ -181,7 +237,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
         # From this many tokens the tile kernel runs; 0: the integer kernel at every size.
-        self.tile_from = TILE_FROM if self.tiles is not None else 0
+        self.tile_from = tile_from() if self.tiles is not None else 0
         self.bias = linear.bias
 
     @classmethod
@@ -199,7 +255,7 @@ class QuantizedLinear(nn.Module):
         self.kq = kq
         self.mode, self.in_features, self.out_features, self.dtype = "gguf", self.kq.k, self.kq.n, dtype
         self.kernel = self.tiles = None
-        self.tile_from = TILE_FROM if dtype == torch.bfloat16 and cpu_kernels.has_kq_tiles() else 0
+        self.tile_from = tile_from() if dtype == torch.bfloat16 else 0
         self.bias = bias
         return self
 

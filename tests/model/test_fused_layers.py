@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from carpool.harness.synthetic import SyntheticBatches
 from carpool.core.step_cost import SMALL_STEP_TOKENS
 from carpool.engine import LLMEngine
-from carpool.model.cpu_kernels import has_kq_matmul, has_quantized_matmul
+from carpool.model.cpu_kernels import has_kq_matmul, has_kq_tiles, has_quantized_matmul
 from carpool.model.fused_layers import FusedLayers
 from carpool.model.paths import FUSED_MAX_TOKENS
 from carpool.model.gguf_encode import requantize_gguf
@@ -65,12 +65,13 @@ def qwen2_engine(tmp_path_factory, engine_fp32):
 
 
 @contextlib.contextmanager
-def integer_kernels(model):
-    """Every quantized layer on its integer kernel at any token count (tile_from 0)."""
+def tile_kernel_from(model, tile_from: int = 0):
+    """Every quantized layer on the tile kernel from `tile_from` tokens, whatever this CPU's layers
+    chose (quant.tile_from()); 0: on its integer kernel at any token count."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     saved = [m.tile_from for m in layers]
     for m in layers:
-        m.tile_from = 0
+        m.tile_from = tile_from
     try:
         yield
     finally:
@@ -142,14 +143,15 @@ def test_steps_past_the_tile_kernels_threshold_equal_eager_exactly(engine, conte
     tokens = len(contexts) * (1 + drafts)
     assert tokens >= TILE_FROM
     saved = engine.runner.fused
-    engine.runner.fused = counted = Counting(FusedLayers.build(engine.model, tokens))
-    try:
-        got, got_cache = decode_step(engine, contexts, 2, drafts)
-    finally:
-        engine.runner.fused = saved
-    assert counted.tokens == [tokens]
-    with eager(engine):
-        want, want_cache = decode_step(engine, contexts, 2, drafts)
+    with tile_kernel_from(engine.model, TILE_FROM if has_kq_tiles() else 0):
+        engine.runner.fused = counted = Counting(FusedLayers.build(engine.model, tokens))
+        try:
+            got, got_cache = decode_step(engine, contexts, 2, drafts)
+        finally:
+            engine.runner.fused = saved
+        assert counted.tokens == [tokens]
+        with eager(engine):
+            want, want_cache = decode_step(engine, contexts, 2, drafts)
     assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
 
 
@@ -223,7 +225,7 @@ def test_a_hybrid_step_equals_its_tokens_one_at_a_time(engine, decodes, chunks, 
     model, runner = engine.model, engine.runner
     saved = runner.fused
     try:
-        with integer_kernels(model):  # every row from the integer kernels, however many rows
+        with tile_kernel_from(model):  # every row from the integer kernels, however many rows
             counted = runner.fused = Counting(FusedLayers.build(model, FUSED_MAX_TOKENS))
             got, got_cache = hybrid_step(engine, decodes, chunks, seed, one_token_at_a_time=False)
             assert counted.tokens == [len(decodes) + sum(n for _, n in chunks)]  # one fused call for the step

@@ -18,7 +18,7 @@ from carpool import config
 from carpool.harness.synthetic import SyntheticBatches
 from carpool.config import resolve_dtype
 from carpool.engine import LLMEngine
-from carpool.model import cpu_kernels
+from carpool.model import cpu_kernels, quant
 from carpool.model.loader import open_gguf, resolve_quantization
 from carpool.model.quant import (TILE_FROM, QuantizedLinear, check_quantization, dequantize_int4, quantize_int4,
                                  quantize_int8, quantize_linears, quantize_q4_1)
@@ -91,7 +91,9 @@ def test_layer_computes_the_dequantized_weights(kernel, mode, dtype, n, bias):
     q = QuantizedLinear(base, mode, dtype).to(dtype)
     kernel = kernel and dtype == torch.bfloat16  # fp32 keeps torch's kernel: the reference arithmetic
     assert (q.kernel is not None) == kernel
-    assert (q.tile_from == TILE_FROM) == (kernel and cpu_kernels.has_kq_tiles())
+    assert q.tile_from == (quant.tile_from() if kernel else 0)
+    if q.tile_from == 0 and kernel and cpu_kernels.has_kq_tiles():
+        q.tile_from = TILE_FROM  # this CPU runs the integer kernel at every size: test the tiles too
     assert not any(t.shape == (n, 64) for t in q.parameters())  # no dense copy
     w = dequantized(q, base)
     assert (w - base.weight).abs().max() <= (0.03 if mode == "int4" else 0.003)  # a quantization step
@@ -238,6 +240,8 @@ def test_a_compiled_layer_holds_the_c_kernels(mode):
     if not cpu_kernels.has_quantized_matmul():
         pytest.skip("no AVX-512 VNNI or AVX2 (or no C compiler) here")
     q = QuantizedLinear(linear(40, 64, bias=True), mode, torch.bfloat16).to(torch.bfloat16)
+    if q.tiles is not None:
+        q.tile_from = TILE_FROM  # the tile kernel, also where this CPU runs the integer one at every size
     for tokens, op in ((5, "carpool.quantized_matmul"), (TILE_FROM + 4, "carpool.kq_matmul")):
         if op == "carpool.kq_matmul" and not q.tile_from:
             continue
@@ -313,3 +317,30 @@ def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality,
     # Through the engine loop (chunked prefill + decode): coherent text.
     out = run_greedy(engine, [engine.tokenizer.encode("The capital of France is")], 4)[0]
     assert "Paris" in engine.tokenizer.decode(out)
+
+
+def test_the_tile_kernels_threshold_is_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
+    """quant.tile_from(): the integer kernel at every size where it is TILE_MARGIN times faster
+    at the probe's chunk, else the tiles from TILE_FROM; measured once, then read from beside the
+    built kernels (a damaged file is measured again)."""
+    if not cpu_kernels.has_kq_tiles() or cpu_kernels.has_amx():
+        pytest.skip("no tile kernel here, or AMX's, which always runs from TILE_FROM")
+    integer, tiles = quant.measure_kernels(rounds=1)  # the real kernels
+    assert 0 < integer < 1 and 0 < tiles < 1
+    monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "kernels.so")
+    measured = []
+
+    def measure(times):
+        monkeypatch.setattr(quant, "measure_kernels", lambda: measured.append(times) or times)
+        quant.tile_from.cache_clear()
+
+    try:
+        measure((1.0, 1.2))
+        assert quant.tile_from() == 0 and len(measured) == 1
+        measure((1.0, 1.05))  # not measured: the kept choice stands
+        assert quant.tile_from() == 0 and len(measured) == 1
+        (tmp_path / "kernels.tile_from.json").write_text("{")
+        quant.tile_from.cache_clear()
+        assert quant.tile_from() == TILE_FROM and measured == [(1.0, 1.2), (1.0, 1.05)]
+    finally:
+        quant.tile_from.cache_clear()

@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void int8_block(
    tile unit once per group, since every group has its own scales; that fp32 pass and the tile
    stores, not the products, are most of the time: 0.7-1.0x the VNNI kernel's time from 16 tokens
    (slower below: a part-used tile costs a whole one), so it runs whole tiles only. From
-   quant.TILE_FROM tokens the layers take kquant.c's tile kernel instead, which widens a block's
+   quant.tile_from() tokens the layers take kquant.c's tile kernel instead, which widens a block's
    codes to bf16 once and, on AMX, multiplies them on the bf16 unit: no per-group step, and the
    widening is spread over the chunk's tokens. */
 
