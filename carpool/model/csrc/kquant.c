@@ -58,6 +58,9 @@
 
 #define KQ_GROUP 32
 #define KQ_ROWS 16
+#ifndef KQ_PREFETCH
+#define KQ_PREFETCH 4096  /* bytes ahead: a step streams its weights from DRAM */
+#endif
 #ifndef KQ_TILE
 #define KQ_TILE 8         /* tokens per pass of the integer kernel: accumulators in registers */
 #endif
@@ -249,7 +252,8 @@ static inline __attribute__((always_inline)) void int_block(const KQuantWeight *
         super_factors(w, b, g0 / per_super, &d, &m);
         for (int64_t g = g0; g < g0 + per_super; g++) {
             const int64_t bg = b * groups + g;
-            _mm_prefetch((const char *)(w->lo + (bg + 8) * code_bytes(w)), _MM_HINT_T0);
+            for (int64_t at = 0; at < code_bytes(w); at += 64)
+                _mm_prefetch((const char *)(w->lo + bg * code_bytes(w) + KQ_PREFETCH + at), _MM_HINT_T0);
             __m512i q[8];
             __m512 scale[2], bias[2];
             group_codes(w, bg, q);
@@ -332,7 +336,6 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
    against 4.43 ms for bf16 F.linear, and 92 / 79 ms at 256 tokens against 835 ms in bf16 and
    177 ms in fp32 (`carpool bench quant`, BENCHMARKS.md "Kernels"). */
 
-#define KQ_PREFETCH 4096  /* bytes ahead: a step streams its weights from DRAM */
 #define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
 
 /* Half h of a group's codes (8 vectors of 32 bytes), 8-bit codes (and looked-up ones) as q - 128. */
