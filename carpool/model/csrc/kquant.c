@@ -31,6 +31,9 @@
      has AMX, the same tiles go through `tdpbf16ps` instead, 16 tokens at a time: a 256-token
      product of the default model's gate/up weight took 2.2 ms against 6.5 ms with vdpbf16ps
      (Intel Xeon with AMX, 2 threads; `carpool bench quant`, BENCHMARKS.md "Kernels").
+     Where AVX-512 runs on 256-bit units (AMD Zen 4), `vpdpbusd`'s 64 multiply-adds an
+     instruction against `vdpbf16ps`'s 32 keep the integer kernel the faster one at every size,
+     and the layers run it at every size there (quant.tile_from() measures which, once per CPU).
    With AVX2 and no AVX-512 (AMD Zen 1-3, Intel before Ice Lake) the integer kernel runs on ymm
    vectors (see KQ_AVX2 below) at every size; without either, `kq_supported` says 0. Without
    AVX512-BF16 and VBMI (for the tile's byte shuffles) the integer kernel runs at every size. */
