@@ -169,9 +169,12 @@ def tile_from() -> int:
     log.info("quantized layers: %s (a %dx%d weight, %d tokens: integer kernel %.2f ms, tile kernel %.2f ms)",
              "the integer kernel at every size" if chosen == 0 else f"the tile kernel from {chosen} tokens",
              *TILE_PROBE[:2], TILE_PROBE[2], integer * 1e3, tiles * 1e3)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-        json.dump({"tile_from": chosen, "integer_s": integer, "tile_s": tiles, "probe": TILE_PROBE}, f)
-    os.replace(f.name, path)  # atomic: concurrent processes each write their own file
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+            json.dump({"tile_from": chosen, "integer_s": integer, "tile_s": tiles, "probe": TILE_PROBE}, f)
+        os.replace(f.name, path)  # atomic: concurrent processes each write their own file
+    except OSError as e:  # a read-only cache: this process keeps its choice, the next measures again
+        log.warning("could not keep the kernel choice in %s: %s", path.parent, e)
     return chosen
 
 
