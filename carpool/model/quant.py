@@ -151,8 +151,7 @@ def tile_from() -> int:
     TILE_FROM, unless the integer kernel is TILE_MARGIN times faster at a 64-token chunk
     (measure_kernels), as on AMD Zen 4, whose AVX-512 runs on 256-bit units: there `vpdpbusd`'s 64
     multiply-adds an instruction beat `vdpbf16ps`'s 32 and the tile's dequantization at every size
-    (a 1B gate/up weight in Q4_K: 2.5 vs 4.4 ms at 16 tokens, 8.5 vs 11.4 at 64, 37.7 vs 41.5 at
-    256). Measured once per CPU and kernel build, and kept beside the built kernels, so that every
+    (docs/kernels.md has the figures). Measured once per CPU and kernel build, and kept beside the built kernels, so that every
     later process (a server, its profile, a benchmark) multiplies alike; with AMX the tile kernel
     always runs from TILE_FROM."""
     if not cpu_kernels.has_kq_tiles():

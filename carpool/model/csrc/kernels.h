@@ -159,8 +159,7 @@ static inline float quantize_group32(const void *x, int64_t i, int is_bf16, int8
 /* 16 rows of one token's output at out + i (fp32 or bf16, rounded to nearest even as torch
    does); the rows past `live` (a last, partial block of rows) are not written. */
 /* Four int8 activations (one quad) in every 32-bit lane: a broadcast from memory. Copied to an
-   array first, gcc read the quads into general registers and moved each over (on a Zen 4, with
-   kquant.c's other changes then, a 16-token Q4_K gate/up product went from 3.02 to 2.49 ms). */
+   array first, gcc read the quads into general registers and moved each over. */
 static inline __m512i quad_at(const int8_t *x) {
     int32_t quad;
     memcpy(&quad, x, sizeof quad);

@@ -730,10 +730,10 @@ static void dequantize_block(const KQuantWeight *w, int64_t b, uint8_t *tile, in
     const __m512i transpose = _mm512_loadu_si512(by_channel), interleave = _mm512_loadu_si512(pairs);
     const int64_t per_super = w->super_size / KQ_GROUP;
     __m512 d = _mm512_setzero_ps(), m = d;
-    for (int64_t g = 0; g < kq_groups(w); g++) {
+    for (int64_t g = 0, s = 0; g < kq_groups(w); g++) {
         __m512i q[8];
         __m512 scale[2], bias[2];
-        if (g % per_super == 0) super_factors(w, b, g / per_super, &d, &m);
+        if (g == s * per_super) super_factors(w, b, s++, &d, &m);
         group_codes(w, b * kq_groups(w) + g, q);
         group_scales(w, b * kq_groups(w) + g, d, m, scale, bias);
         for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
