@@ -34,6 +34,19 @@ def test_tiles_give_the_bf16_products_summed_in_fp32(n, groups, tokens, amx_from
     assert ((y - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("amx_from", [0, 1])
+def test_tiles_over_many_channels(amx_from):
+    """Tokens whose channels outgrow a core's L2 (on AMX the product runs in passes over the
+    channels, the last one shorter and not a multiple of 256): the same bound."""
+    n, k, tokens = 40, 4384, 272
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(tokens, k, generator=g).bfloat16()
+    y = cpu_kernels.bf16_tiles_matmul(x, cpu_kernels.bf16_tiles(w), n, amx_from).double()
+    exact = x.double() @ w.double().T
+    assert ((y - exact).abs() <= (2**-8 + k * 2**-24) * (x.double().abs() @ w.double().abs().T)).all()
+
+
 def test_pack_linears_swaps_in_tiles_that_keep_the_bias_and_the_leading_dims():
     layer = torch.nn.Linear(64, 40).bfloat16()
     holder = torch.nn.Sequential(layer)

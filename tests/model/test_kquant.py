@@ -125,6 +125,21 @@ def test_tile_kernel_is_bf16_weights_times_bf16_activations(qtype, blocks, rows_
     assert_within(y, x.double() @ w.T, x.double().abs() @ w.abs().T, torch.bfloat16)
 
 
+@pytest.mark.skipif(not cpu_kernels.has_kq_tiles(), reason="needs AVX512-BF16 and VBMI")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_1], ids=lambda t: t.name)
+def test_tile_kernel_over_many_channels(qtype):
+    """Tokens whose channels outgrow a core's L2 (on AMX the product then runs in passes over the
+    channels, the sums kept between passes, the last pass shorter): still the bf16 products summed
+    in fp32, |y - x W^T| <= 2^-8 |x W^T| + k 2^-24 |x| |W|^T (output rounding, then k fp32 adds)."""
+    n, k, tokens = 40, 4352, 272
+    codes, _ = random_codes(qtype, n, k, seed=5)
+    w = torch.from_numpy(gguf_codes.dequantize(codes)).bfloat16().double()
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = kernel_for(codes)(x, 1).double()
+    exact = x.double() @ w.T
+    assert ((y - exact).abs() <= 2 ** -8 * exact.abs() + k * 2 ** -24 * (x.double().abs() @ w.abs().T)).all()
+
+
 def test_both_kernels_agree_across_the_switch():
     """The same weights through either kernel: the two roundings apart, never more."""
     codes, _ = random_codes(T.Q4_K, 64, 1024, seed=3)
