@@ -47,6 +47,19 @@ def test_tiles_over_many_channels(amx_from):
     assert ((y - exact).abs() <= (2**-8 + k * 2**-24) * (x.double().abs() @ w.double().abs().T)).all()
 
 
+def test_tiles_over_many_tokens_and_rows():
+    """Past 64 MB of fp32 sums (16384 rows x 1056 tokens) AMX runs the tokens in slices: the same
+    bound, against an fp32 reference (itself within k 2^-24 |x| |W|^T, so that term doubles)."""
+    n, k, tokens = 16384, 256, 1056
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(tokens, k, generator=g).bfloat16()
+    y = cpu_kernels.bf16_tiles_matmul(x, cpu_kernels.bf16_tiles(w), n, 1).float()
+    ref = x.float() @ w.float().T
+    bound = 2**-8 * ref.abs() + 2 * k * 2**-24 * (x.float().abs() @ w.float().abs().T)
+    assert ((y - ref).abs() <= bound).all()
+
+
 def test_pack_linears_swaps_in_tiles_that_keep_the_bias_and_the_leading_dims():
     layer = torch.nn.Linear(64, 40).bfloat16()
     holder = torch.nn.Sequential(layer)

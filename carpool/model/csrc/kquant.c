@@ -886,13 +886,15 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *cons
    as many channels as fit AMX_PASS_BYTES, each pass's sums kept in memory for the next: the same
    fp32 sums in the same order, so the result is unchanged. The tokens' rows are AMX_ROW_PAD
    channels longer than k: rows a multiple of 4 KiB apart put a tile's 16 row loads in one L1
-   set. Both together, alternated in one process against neither (6 copies of each 1B weight
-   shape in Q4_K, 256 tokens, 2 threads, Intel Xeon with AMX): down 7.41 -> 6.08 ms, gate/up
-   14.1 -> 10.6 ms, QKV 2.11 -> 2.03 ms. */
+   set. Both together: 1.05-1.3x per 1B weight shape at 256 tokens, alternated in one process;
+   within the host's noise in `carpool bench quant` (BENCHMARKS.md "Kernels", Xeon 480M). Those
+   sums are the output in fp32; past AMX_SUMS_BYTES of them (a chunk of thousands of tokens) the
+   tokens run in slices, each dequantizing the weights again. */
 #define AMX_PASS_BYTES (2 << 20)
 #define AMX_ROW_PAD 32
+#define AMX_SUMS_BYTES (64 << 20)
 
-static int amx_tile_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
+static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
     const int64_t n = src->n, k = src->k, blocks = (n + KQ_ROWS - 1) / KQ_ROWS, block_pairs = (blocks + 1) / 2;
     const int64_t padded = (tokens + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS;
     const int64_t token_pairs = (padded + 2 * AMX_TOKENS - 1) / (2 * AMX_TOKENS);
@@ -940,6 +942,17 @@ static int amx_tile_matmul(const TileSource *src, const uint16_t *x, void *out, 
         _tile_release();
     }
     free(scratch), free(xs), free(sums);
+    return 1;
+}
+
+static int amx_tile_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
+    const int64_t per_token = 4 * ((src->n + 2 * KQ_ROWS - 1) / (2 * KQ_ROWS) * 2 * KQ_ROWS);  /* its fp32 sums */
+    int64_t slice = AMX_SUMS_BYTES / per_token / (2 * AMX_TOKENS) * (2 * AMX_TOKENS);
+    if (slice < 2 * AMX_TOKENS) slice = 2 * AMX_TOKENS;
+    for (int64_t t = 0; t < tokens; t += slice)  /* out is bf16 */
+        if (!amx_slice_matmul(src, x + t * src->k, (uint16_t *)out + t * src->n, tokens - t < slice ? tokens - t : slice,
+                              num_threads))
+            return 0;
     return 1;
 }
 #endif
