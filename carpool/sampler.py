@@ -117,7 +117,7 @@ class Sampler:
             rows = logits[random_rows] / torch.tensor([p.temperature for p in params])[:, None]
             rows = filter_top_k_top_p_min_p(
                 rows,
-                torch.tensor([p.top_k for p in params]),
+                torch.tensor([min(p.top_k, logits.shape[-1]) for p in params]),  # any k past the vocabulary keeps it all
                 torch.tensor([p.top_p for p in params]),
                 torch.tensor([p.min_p for p in params]),
             )

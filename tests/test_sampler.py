@@ -93,6 +93,7 @@ def test_top_k_support():
     assert sample_support(row, top_k=-1) == set(range(7))
     assert sample_support(row, top_k=0) == set(range(7))
     assert sample_support(row, top_k=100) == set(range(7))
+    assert sample_support(row, top_k=2**70) == set(range(7))  # past int64 too: a client's number, not a crash
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p():
