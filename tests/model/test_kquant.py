@@ -129,9 +129,11 @@ def test_tile_kernel_is_bf16_weights_times_bf16_activations(qtype, blocks, rows_
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_1], ids=lambda t: t.name)
 def test_tile_kernel_over_many_channels(qtype):
     """Tokens whose channels outgrow a core's L2 (on AMX the product then runs in passes over the
-    channels, the sums kept between passes, the last pass shorter): still the bf16 products summed
-    in fp32, |y - x W^T| <= 2^-8 |x W^T| + k 2^-24 |x| |W|^T (output rounding, then k fp32 adds)."""
-    n, k, tokens = 40, 4352, 272
+    channels, the sums kept between passes, the last pass shorter; each thread several block pairs,
+    the next one's tiles dequantized between the current one's products, the last one a single
+    block): still the bf16 products summed in fp32,
+    |y - x W^T| <= 2^-8 |x W^T| + k 2^-24 |x| |W|^T (output rounding, then k fp32 adds)."""
+    n, k, tokens = 200, 4352, 272
     codes, _ = random_codes(qtype, n, k, seed=5)
     w = torch.from_numpy(gguf_codes.dequantize(codes)).bfloat16().double()
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(5)).bfloat16()

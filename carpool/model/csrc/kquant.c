@@ -718,45 +718,46 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
 
 #ifdef HAVE_KQ_GEMM
 
-/* Groups g0 .. g1 - 1 of block b dequantized into a bf16 tile: channel pair p (from channel
-   g0 * KQ_GROUP on) has its 16 rows at tile + p * stride (bytes), row r's two channels in 32-bit
-   lane r, as vdpbf16ps takes them. */
-static void dequantize_block(const KQuantWeight *w, int64_t b, int64_t g0, int64_t g1, uint8_t *tile,
-                             int64_t stride) {
+/* Group g of block b dequantized into a bf16 tile: the group's channel pair p has its 16 rows at
+   tile + p * stride (bytes), row r's two channels in 32-bit lane r, as vdpbf16ps takes them. */
+static void dequantize_group(const KQuantWeight *w, int64_t b, int64_t g, uint8_t *tile, int64_t stride) {
     /* bytes [row r][channel c] -> [channel c][row r], and two channels' bf16 interleaved per row */
-    uint8_t by_channel[64];
-    uint16_t pairs[32];
-    for (int c = 0; c < 4; c++)
-        for (int r = 0; r < 16; r++) by_channel[c * 16 + r] = (uint8_t)(r * 4 + c);
-    for (int i = 0; i < 16; i++) pairs[2 * i] = (uint16_t)i, pairs[2 * i + 1] = (uint16_t)(32 + i);
+    static const uint8_t by_channel[64] = {
+        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45,
+        49, 53, 57, 61, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31,
+        35, 39, 43, 47, 51, 55, 59, 63};
+    static const uint16_t pairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i transpose = _mm512_loadu_si512(by_channel), interleave = _mm512_loadu_si512(pairs);
-    const int64_t per_super = w->super_size / KQ_GROUP;
-    __m512 d = _mm512_setzero_ps(), m = d;
-    int64_t s = g0 / per_super;  /* g0 starts a super-block: passes are whole multiples of 256 channels */
-    for (int64_t g = g0; g < g1; g++) {
-        __m512i q[8];
-        __m512 scale[2], bias[2];
-        if (g == s * per_super) super_factors(w, b, s++, &d, &m);
-        group_codes(w, b * kq_groups(w) + g, q);
-        group_scales(w, b * kq_groups(w) + g, d, m, scale, bias);
-        for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
-            bias[u] = _mm512_fnmadd_ps(scale[u], _mm512_set1_ps((float)w->offset), bias[u]);
-        for (int j = 0; j < 8; j++) {
-            const __m512i t = _mm512_permutexvar_epi8(transpose, q[j]);
-            __m256bh h[4];
-            for (int c = 0; c < 4; c++) {
-                const __m128i lane = c == 0 ? _mm512_extracti32x4_epi32(t, 0) : c == 1 ? _mm512_extracti32x4_epi32(t, 1)
-                                   : c == 2 ? _mm512_extracti32x4_epi32(t, 2) : _mm512_extracti32x4_epi32(t, 3);
-                const __m512 v = _mm512_fmadd_ps(scale[j / 4], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane)), bias[j / 4]);
-                h[c] = _mm512_cvtneps_pbh(v);
-            }
-            for (int p = 0; p < 2; p++) {
-                const __m512i both = _mm512_permutex2var_epi16(_mm512_castsi256_si512((__m256i)h[2 * p]), interleave,
-                                                               _mm512_castsi256_si512((__m256i)h[2 * p + 1]));
-                _mm512_storeu_si512(tile + (((g - g0) * KQ_GROUP + 4 * j) / 2 + p) * stride, both);
-            }
+    __m512i q[8];
+    __m512 d, m, scale[2], bias[2];
+    super_factors(w, b, g * KQ_GROUP / w->super_size, &d, &m);
+    group_codes(w, b * kq_groups(w) + g, q);
+    group_scales(w, b * kq_groups(w) + g, d, m, scale, bias);
+    for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
+        bias[u] = _mm512_fnmadd_ps(scale[u], _mm512_set1_ps((float)w->offset), bias[u]);
+    for (int j = 0; j < 8; j++) {
+        const __m512i t = _mm512_permutexvar_epi8(transpose, q[j]);
+        __m256bh h[4];
+        for (int c = 0; c < 4; c++) {
+            const __m128i lane = c == 0 ? _mm512_extracti32x4_epi32(t, 0) : c == 1 ? _mm512_extracti32x4_epi32(t, 1)
+                               : c == 2 ? _mm512_extracti32x4_epi32(t, 2) : _mm512_extracti32x4_epi32(t, 3);
+            const __m512 v = _mm512_fmadd_ps(scale[j / 4], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane)), bias[j / 4]);
+            h[c] = _mm512_cvtneps_pbh(v);
+        }
+        for (int p = 0; p < 2; p++) {
+            const __m512i both = _mm512_permutex2var_epi16(_mm512_castsi256_si512((__m256i)h[2 * p]), interleave,
+                                                           _mm512_castsi256_si512((__m256i)h[2 * p + 1]));
+            _mm512_storeu_si512(tile + (2 * j + p) * stride, both);
         }
     }
+}
+
+/* Groups g0 .. g1 - 1 of block b dequantized into a bf16 tile (channel pairs from channel
+   g0 * KQ_GROUP on, `stride` bytes apart). */
+static void dequantize_block(const KQuantWeight *w, int64_t b, int64_t g0, int64_t g1, uint8_t *tile,
+                             int64_t stride) {
+    for (int64_t g = g0; g < g1; g++) dequantize_group(w, b, g, tile + (g - g0) * (KQ_GROUP / 2) * stride, stride);
 }
 
 /* Where a product's bf16 tiles come from: a quantized weight's blocks, dequantized into the
@@ -843,12 +844,33 @@ static void configure_bf16_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* The next block pair's tiles, dequantized a few groups at a time between the current pair's tile
+   products, so that the vector units dequantize while AMX multiplies; one after the other, each
+   waited for the other (dequantizing was a quarter of a 256-token call, the tile products the rest).
+   Group `done` of the job is group done % groups of block b + done / groups, from group g0. */
+typedef struct {
+    const KQuantWeight *w;
+    int64_t b, g0, groups, total, done;
+    uint8_t *tile;
+    int64_t stride;
+} DequantJob;
+
+static void dequantize_until(DequantJob *job, int64_t upto) {
+    for (; job->done < upto; job->done++) {
+        const int64_t i = job->done / job->groups, g = job->done % job->groups;
+        dequantize_group(job->w, job->b + i, job->g0 + g, job->tile + i * 64 + g * (KQ_GROUP / 2) * job->stride,
+                         job->stride);
+    }
+}
+
 /* Tokens t0..t0+31 (x: whole tiles, rows ld apart, from the pass's first channel) against the nb
    blocks' tiles (block i's channel pair p at tile[i] + p * stride) over `channels` channels, adding
-   to the sums in `acc` (4 tiles of 16 x 16 fp32) or, on the first pass, starting them. */
+   to the sums in `acc` (4 tiles of 16 x 16 fp32) or, on the first pass, starting them. Between
+   steps, `job` (if any) is brought to its share of `steps` steps, this call's first being `step`. */
 static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *const tile[2], int64_t stride,
                                                              const uint16_t *x, int64_t ld, int64_t channels,
-                                                             const int nb, const int two, float *acc, int first) {
+                                                             const int nb, const int two, float *acc, int first,
+                                                             DequantJob *job, int64_t step, int64_t steps) {
     const int64_t row = 2 * ld;
     if (first) {
         _tile_zero(0);
@@ -874,6 +896,7 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *cons
             _tile_dpbf16ps(2, 5, 6);
             if (nb == 2) _tile_dpbf16ps(3, 5, 7);
         }
+        if (job) dequantize_until(job, job->total * ++step / steps);
     }
     _tile_stored(0, acc, 64);
     _tile_stored(1, acc + 256, 64);
@@ -890,7 +913,7 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *cons
    within the host's noise in `carpool bench quant` (BENCHMARKS.md "Kernels", Xeon 480M). Those
    sums are the output in fp32; past AMX_SUMS_BYTES of them (a chunk of thousands of tokens) the
    tokens run in slices, each dequantizing the weights again. */
-#define AMX_PASS_BYTES (2 << 20)
+#define AMX_PASS_BYTES (1 << 20)
 #define AMX_ROW_PAD 32
 #define AMX_SUMS_BYTES (64 << 20)
 
@@ -902,7 +925,7 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
     int64_t pass = AMX_PASS_BYTES / (2 * padded) / 256 * 256;  /* channels per pass */
     if (pass < 256) pass = 256;
     if (pass >= k) pass = k;
-    const size_t per_thread = (size_t)pass * 64 + 4096;  /* two blocks' tiles, then 4 tiles of sums */
+    const size_t per_thread = (size_t)pass * 128 + 4096;  /* two block pairs' tiles, then 4 tiles of sums */
     uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
     uint16_t *xs = calloc((size_t)(padded * ld), sizeof(uint16_t));
     float *sums = pass < k ? aligned_alloc(64, (size_t)(block_pairs * token_pairs) * 4096) : NULL;
@@ -913,22 +936,31 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
     for (int64_t t = 0; t < tokens; t++) memcpy(xs + t * ld, x + t * k, sizeof(uint16_t) * (size_t)k);
 #pragma omp parallel num_threads(num_threads)
     {
-        uint8_t *tile = scratch + per_thread * (size_t)omp_get_thread_num();
-        float *own = (float *)(tile + (size_t)pass * 64);
+        /* each thread its own block pairs, the same ones in every pass (their sums stay its own) */
+        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t from = block_pairs * id / threads, to = block_pairs * (id + 1) / threads;
+        uint8_t *buffer[2] = {scratch + per_thread * (size_t)id, scratch + per_thread * (size_t)id + (size_t)pass * 64};
+        float *own = (float *)(buffer[0] + (size_t)pass * 128);
         configure_bf16_tiles();
         for (int64_t c0 = 0; c0 < k; c0 += pass) {
             const int64_t c1 = c0 + pass < k ? c0 + pass : k;
-#pragma omp for schedule(static)
-            for (int64_t two = 0; two < block_pairs; two++) {
+            const int64_t steps = token_pairs * ((c1 - c0) / 32);
+            const uint8_t *tiles[2];
+            int64_t stride = 0;
+            for (int64_t two = from; two < to; two++) {
                 const int64_t b = 2 * two, row0 = b * KQ_ROWS;
-                const int nb = b + 1 < blocks ? 2 : 1;
-                const uint8_t *tiles[2];
-                const int64_t stride = block_tiles(src, b, nb, c0, c1, tile, tiles);
+                const int nb = b + 1 < blocks ? 2 : 1, next_nb = b + 3 < blocks ? 2 : 1;
+                if (two == from || src->stored) stride = block_tiles(src, b, nb, c0, c1, buffer[two & 1], tiles);
+                DequantJob job = {src->w, b + 2, c0 / KQ_GROUP, (c1 - c0) / KQ_GROUP, 0, 0, buffer[(two + 1) & 1],
+                                  64 * next_nb};
+                job.total = two + 1 < to && !src->stored ? job.groups * next_nb : 0;
+                DequantJob *next = job.total ? &job : NULL;
                 for (int64_t t0 = 0; t0 < tokens; t0 += 2 * AMX_TOKENS) {
                     const int both = t0 + AMX_TOKENS < tokens;
+                    const int64_t step = t0 / (2 * AMX_TOKENS) * ((c1 - c0) / 32);
                     float *acc = sums ? sums + (two * token_pairs + t0 / (2 * AMX_TOKENS)) * 1024 : own;
-                    if (nb == 2) amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 2, both, acc, c0 == 0);
-                    else amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 1, both, acc, c0 == 0);
+                    if (nb == 2) amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 2, both, acc, c0 == 0, next, step, steps);
+                    else amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 1, both, acc, c0 == 0, next, step, steps);
                     if (c1 < k) continue;
                     for (int64_t t = t0; t < tokens && t < t0 + 2 * AMX_TOKENS; t++) {
                         const float *s = acc + ((t - t0) / AMX_TOKENS) * 512 + ((t - t0) % AMX_TOKENS) * 16;
@@ -936,6 +968,10 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
                             store16(out, t * n + row0 + i * KQ_ROWS, _mm512_loadu_ps(s + i * 256),
                                     n - row0 - i * KQ_ROWS, 1);
                     }
+                }
+                if (next) {
+                    dequantize_until(next, next->total);
+                    tiles[0] = buffer[(two + 1) & 1], tiles[1] = tiles[0] + 64, stride = 64 * next_nb;
                 }
             }
         }
