@@ -721,14 +721,10 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
 /* Group g of block b dequantized into a bf16 tile: the group's channel pair p has its 16 rows at
    tile + p * stride (bytes), row r's two channels in 32-bit lane r, as vdpbf16ps takes them. */
 static void dequantize_group(const KQuantWeight *w, int64_t b, int64_t g, uint8_t *tile, int64_t stride) {
-    /* bytes [row r][channel c] -> [channel c][row r], and two channels' bf16 interleaved per row */
-    static const uint8_t by_channel[64] = {
-        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45,
-        49, 53, 57, 61, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31,
-        35, 39, 43, 47, 51, 55, 59, 63};
-    static const uint16_t pairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i transpose = _mm512_loadu_si512(by_channel), interleave = _mm512_loadu_si512(pairs);
+    /* (channel 2p's 16 rows, channel 2p + 1's) -> row r's two channels in 32-bit lane r */
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512(pairs), byte = _mm512_set1_epi32(0xff);
     __m512i q[8];
     __m512 d, m, scale[2], bias[2];
     super_factors(w, b, g * KQ_GROUP / w->super_size, &d, &m);
@@ -736,18 +732,16 @@ static void dequantize_group(const KQuantWeight *w, int64_t b, int64_t g, uint8_
     group_scales(w, b * kq_groups(w) + g, d, m, scale, bias);
     for (int u = 0; u < 2; u++)  /* w = scale * q + (bias - scale * offset) */
         bias[u] = _mm512_fnmadd_ps(scale[u], _mm512_set1_ps((float)w->offset), bias[u]);
-    for (int j = 0; j < 8; j++) {
-        const __m512i t = _mm512_permutexvar_epi8(transpose, q[j]);
-        __m256bh h[4];
+    for (int j = 0; j < 8; j++) {  /* q[j]: row r's channels 4j .. 4j + 3 in the bytes of 32-bit lane r */
+        __m512 v[4];
         for (int c = 0; c < 4; c++) {
-            const __m128i lane = c == 0 ? _mm512_extracti32x4_epi32(t, 0) : c == 1 ? _mm512_extracti32x4_epi32(t, 1)
-                               : c == 2 ? _mm512_extracti32x4_epi32(t, 2) : _mm512_extracti32x4_epi32(t, 3);
-            const __m512 v = _mm512_fmadd_ps(scale[j / 4], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane)), bias[j / 4]);
-            h[c] = _mm512_cvtneps_pbh(v);
+            const __m512i codes = c == 0 ? _mm512_and_si512(q[j], byte)
+                                : c == 3 ? _mm512_srli_epi32(q[j], 24)
+                                         : _mm512_and_si512(_mm512_srli_epi32(q[j], 8 * c), byte);
+            v[c] = _mm512_fmadd_ps(scale[j / 4], _mm512_cvtepi32_ps(codes), bias[j / 4]);
         }
         for (int p = 0; p < 2; p++) {
-            const __m512i both = _mm512_permutex2var_epi16(_mm512_castsi256_si512((__m256i)h[2 * p]), interleave,
-                                                           _mm512_castsi256_si512((__m256i)h[2 * p + 1]));
+            const __m512i both = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(v[2 * p + 1], v[2 * p]));
             _mm512_storeu_si512(tile + (2 * j + p) * stride, both);
         }
     }
@@ -906,8 +900,10 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *cons
 
 /* Every block pair reads all of the tokens' channels, so where they outgrow a core's L2 (256
    tokens x 8192 channels of a 1B model's down projection are 4 MB) the product runs in passes over
-   as many channels as fit AMX_PASS_BYTES, each pass's sums kept in memory for the next: the same
-   fp32 sums in the same order, so the result is unchanged. The tokens' rows are AMX_ROW_PAD
+   as many channels as fit AMX_PASS_BYTES (half of a 2 MB L2: the two block pairs' tiles need the
+   rest; a 1B down projection at 256 tokens took 0.85x the time of 2 MB passes), each pass's sums
+   kept in memory for the next: the same fp32 sums in the same order, so the result is unchanged.
+   A token pair's sums are written out while the next pair's tile products run. The tokens' rows are AMX_ROW_PAD
    channels longer than k: rows a multiple of 4 KiB apart put a tile's 16 row loads in one L1
    set. Both together: 1.05-1.3x per 1B weight shape at 256 tokens, alternated in one process;
    within the host's noise in `carpool bench quant` (BENCHMARKS.md "Kernels", Xeon 480M). Those
@@ -917,6 +913,16 @@ static inline __attribute__((always_inline)) void amx_tokens(const uint8_t *cons
 #define AMX_ROW_PAD 32
 #define AMX_SUMS_BYTES (64 << 20)
 
+/* Token pair t0's fp32 sums (acc: 4 tiles, from amx_tokens) against blocks row0 / 16 .. + nb - 1,
+   as bf16 into out. */
+static void amx_output(void *out, const float *acc, int64_t t0, int64_t tokens, int64_t n, int64_t row0, int nb) {
+    for (int64_t t = t0; t < tokens && t < t0 + 2 * AMX_TOKENS; t++) {
+        const float *s = acc + ((t - t0) / AMX_TOKENS) * 512 + ((t - t0) % AMX_TOKENS) * 16;
+        for (int i = 0; i < nb; i++)
+            store16(out, t * n + row0 + i * KQ_ROWS, _mm512_loadu_ps(s + i * 256), n - row0 - i * KQ_ROWS, 1);
+    }
+}
+
 static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out, int64_t tokens, int num_threads) {
     const int64_t n = src->n, k = src->k, blocks = (n + KQ_ROWS - 1) / KQ_ROWS, block_pairs = (blocks + 1) / 2;
     const int64_t padded = (tokens + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS;
@@ -925,7 +931,7 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
     int64_t pass = AMX_PASS_BYTES / (2 * padded) / 256 * 256;  /* channels per pass */
     if (pass < 256) pass = 256;
     if (pass >= k) pass = k;
-    const size_t per_thread = (size_t)pass * 128 + 4096;  /* two block pairs' tiles, then 4 tiles of sums */
+    const size_t per_thread = (size_t)pass * 128 + 8192;  /* two block pairs' tiles, then two token pairs' sums */
     uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)num_threads);
     uint16_t *xs = calloc((size_t)(padded * ld), sizeof(uint16_t));
     float *sums = pass < k ? aligned_alloc(64, (size_t)(block_pairs * token_pairs) * 4096) : NULL;
@@ -955,20 +961,19 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
                                   64 * next_nb};
                 job.total = two + 1 < to && !src->stored ? job.groups * next_nb : 0;
                 DequantJob *next = job.total ? &job : NULL;
+                const float *done = NULL;  /* the sums of the token pair before, written out one pair late */
                 for (int64_t t0 = 0; t0 < tokens; t0 += 2 * AMX_TOKENS) {
                     const int both = t0 + AMX_TOKENS < tokens;
                     const int64_t step = t0 / (2 * AMX_TOKENS) * ((c1 - c0) / 32);
-                    float *acc = sums ? sums + (two * token_pairs + t0 / (2 * AMX_TOKENS)) * 1024 : own;
+                    float *acc = sums ? sums + (two * token_pairs + t0 / (2 * AMX_TOKENS)) * 1024
+                                      : own + (t0 / (2 * AMX_TOKENS) % 2) * 1024;
                     if (nb == 2) amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 2, both, acc, c0 == 0, next, step, steps);
                     else amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 1, both, acc, c0 == 0, next, step, steps);
                     if (c1 < k) continue;
-                    for (int64_t t = t0; t < tokens && t < t0 + 2 * AMX_TOKENS; t++) {
-                        const float *s = acc + ((t - t0) / AMX_TOKENS) * 512 + ((t - t0) % AMX_TOKENS) * 16;
-                        for (int i = 0; i < nb; i++)
-                            store16(out, t * n + row0 + i * KQ_ROWS, _mm512_loadu_ps(s + i * 256),
-                                    n - row0 - i * KQ_ROWS, 1);
-                    }
+                    if (done) amx_output(out, done, t0 - 2 * AMX_TOKENS, tokens, n, row0, nb);
+                    done = acc;
                 }
+                if (done) amx_output(out, done, (tokens - 1) / (2 * AMX_TOKENS) * (2 * AMX_TOKENS), tokens, n, row0, nb);
                 if (next) {
                     dequantize_until(next, next->total);
                     tiles[0] = buffer[(two + 1) & 1], tiles[1] = tiles[0] + 64, stride = 64 * next_nb;
