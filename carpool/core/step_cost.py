@@ -13,12 +13,15 @@ decode row (sampling, inputs) and a larger one per prefill chunk (each chunk is 
 call per layer, with its block table, mask and gathered prefix), a fixed cost that steps from
 SMALL_STEP_TOKENS up pay on top (they leave the fused path), decode attention over each
 context (SDPA over gathered blocks pads every row to the longest, hence both the sum and
-`decodes x longest`), and chunk attention over each chunk's query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
+`decodes x longest`; and a row's attention splits over the threads only so far, so the longest
+context costs on its own: without that term a profile's fit, Xeon 480M, put lone decodes at
+contexts near 200 12.5% high and past 1000 15.7% low), and chunk attention over each chunk's
+query-key pairs. On a GPU the per-token cost is flat up to a few hundred tokens and then linear:
 hinges in the token count (`max(0, tokens - k)`) let a fit with non-negative weights bend there.
 Non-negative weights also keep the prediction monotone in a chunk's length, which the policy's
 search relies on.
 
-The fit, its speeds and margins are numpy over 14 features and the last 512 steps: a refit
+The fit, its speeds and margins are numpy over 15 features and the last 512 steps: a refit
 every 4 steps took 0.3 ms (best of 7 timings of 200 refits over a full window, Intel Xeon with
 AMX), about 75 us a step, under 1% of a 135M decode step (in plain Python the fit alone took
 0.29 ms a step, 7%).
@@ -89,10 +92,10 @@ SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # AMX: `carpool fidelity`'s steps.jsonl on the code-completion workload of BENCHMARKS.md
 # "Simulator fidelity").
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
-            "decode_context_sum", "decode_context_padded", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
+            "decode_context_sum", "decode_context_padded", "decode_context_longest", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
             "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}", f"tokens up to {SMALL_STEP_TOKENS}")
 # Scales that bring each feature near 1 for a typical batch, so the normal equations stay well conditioned.
-_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-6, 1.0, 1e-1, 1e-1, 1e-1)
+_SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-3, 1e-6, 1.0, 1e-1, 1e-1, 1e-1)
 
 
 def features(shape: BatchShape) -> list[float]:
@@ -102,7 +105,7 @@ def features(shape: BatchShape) -> list[float]:
     # the small-step slopes saturate rather than drop past SMALL_STEP_TOKENS: every feature stays
     # non-decreasing in a chunk's length, so the prediction does too (the policy's search needs it)
     raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
-           len(d) * max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts,
+           len(d) * max(d, default=0), max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts,
            min(max(0, t - SMALL_HINGE), SMALL_STEP_TOKENS - SMALL_HINGE), min(t, SMALL_STEP_TOKENS))
     return [x * s for x, s in zip(raw, _SCALE)]
 
