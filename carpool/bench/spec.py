@@ -27,7 +27,10 @@ each workload runs on both, off then on, `--repeats` times (interleaved, so both
 Tokens per step = decode tokens / the steps each request decoded in (summed over requests);
 acceptance = drafts kept / drafts scored; the accepted fraction = output tokens that were kept
 drafts / output tokens. `same_outputs` is the fraction of requests whose output ids match with
-and without speculation.
+and without speculation. Greedy ids also move with batching alone: a step's token count picks
+the kernels, which round differently, and a near-tie in the logits flips. The burst's
+`off_same_as_alone` is the same fraction between the engine without speculation and the same
+requests run on it one at a time: what batching changes with no speculation at all.
 
 What a draft model of a given cost would give. With k drafts per step, a draft forward costing
 c times a target decode step T (c = `draft_cost_ratio`), and a verification step of 1 + k
@@ -356,8 +359,10 @@ def same_outputs(off: list[Run], on: list[Run]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else 1.0
 
 
-def compare(name: str, engines: dict, requests, together: bool, repeats: int, stats) -> dict:
-    """`requests` on each engine (off, then on), `repeats` times, and the ratio of their speeds."""
+def compare(name: str, engines: dict, requests, together: bool, repeats: int, stats,
+            alone: Run | None = None) -> dict:
+    """`requests` on each engine (off, then on), `repeats` times, and the ratio of their speeds.
+    `alone`: the same requests run one at a time on the off engine, to set its outputs against."""
     runs: dict[str, list[Run]] = {mode: [] for mode in engines}
     for _ in range(repeats):
         for mode, engine in engines.items():
@@ -366,6 +371,8 @@ def compare(name: str, engines: dict, requests, together: bool, repeats: int, st
     key = "output_tokens_per_s" if together else "decode_tokens_per_s"
     result["ratio"] = result["on"][key] / result["off"][key] if result["off"][key] else None
     result["same_outputs"] = same_outputs(runs["off"], runs["on"])
+    if alone is not None:
+        result["off_same_as_alone"] = same_outputs([alone] * len(runs["off"]), runs["off"])
     result["target"] = TARGETS.get(name)
     met = None
     if result["target"] is not None:
@@ -474,7 +481,8 @@ def proposer_workloads(engines: dict, editing, args) -> dict:
                            repetition_penalty=args.random_repetition_penalty)
     if "burst" in args.workloads:
         burst = editing_requests(off.tokenizer, args.burst_size, args.max_tokens)
-        w["burst"] = compare("burst", engines, burst, True, args.repeats, burst_stats)
+        alone = run(off, burst, together=False)
+        w["burst"] = compare("burst", engines, burst, True, args.repeats, burst_stats, alone)
     if "repeat" in args.workloads:
         params = SamplingParams(max_tokens=min(REPEAT_TOKENS, args.max_tokens or REPEAT_TOKENS), temperature=0.0)
         asked = [(chat_ids(off.tokenizer, q), params) for q in REPEAT_QUESTIONS] * 2
@@ -544,6 +552,10 @@ def summary_table(result: dict) -> str:
                     f"{'-' if target is None else ('yes' if r['met'] else 'NO')} | "
                     f"{fmt(r['on']['tokens_per_step'], '.2f')} | {fmt(r['on']['acceptance_rate'], '.2f')} | "
                     f"{fmt(r['on']['accepted_fraction_of_output'], '.2f')} | {gap} |")
+    burst = result["workloads"].get("burst", {})
+    if "off_same_as_alone" in burst:
+        rows.append(f"\nburst outputs identical with and without speculation: {burst['same_outputs']:.0%}; "
+                    f"without it, the burst's against the same requests one at a time: {burst['off_same_as_alone']:.0%}")
     if "draft" in result["workloads"]:
         d = result["workloads"]["draft"]
         best = max(d["projection"], key=lambda p: p["speedup"])

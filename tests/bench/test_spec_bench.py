@@ -41,6 +41,7 @@ def test_writes_json_and_plot(result):
     assert 0 < single["accepted_fraction_of_output"] < 1
     burst = w["burst"]
     assert burst["on"]["requests"] == 2 and burst["off"]["largest_gap_s"] > 0
+    assert 0 <= burst["off_same_as_alone"] <= 1 and "off_same_as_alone" not in w["editing"]
     assert burst["met"] == (burst["ratio"] >= 1.3 and burst["on"]["largest_gap_s"] <= burst["off"]["largest_gap_s"])
     d = w["draft"]
     assert len(d["verify_step_s"]) == 9 and d["verify_cost_ratio"][0] == 1.0
