@@ -93,13 +93,19 @@ class FittedCostModel:
 
     @classmethod
     def from_profile(cls, profile: Profile, num_stages: int = 1, source: str = "") -> FittedCostModel:
-        """The fit minimises relative errors, which on noisy steps comes out low (a step 20% slow
-        counts for less than one 20% fast): on Intel Xeon with AMX the median profiled step ran
-        1.034x its fit. The model is scaled by that median, and its residuals by its inverse."""
         fit = StepCostModel(decay=1.0)  # a profile's steps all count: none is older than another
         fit.fit_steps(profile.steps)
-        ratios = [seconds / predicted for shape, seconds in profile.steps
-                  if (predicted := fit.predict_by_weights(shape)) > 0]
+        return cls.from_fit(fit, profile.steps, num_stages, source)
+
+    @classmethod
+    def from_fit(cls, fit: StepCostModel, steps: list[tuple[BatchShape, float]], num_stages: int = 1,
+                 source: str = "") -> FittedCostModel:
+        """`fit` frozen, scaled to the median of `steps` (those it learnt from). The fit minimises
+        relative errors, which on noisy steps comes out low (a step 20% slow counts for less than
+        one 20% fast): on Intel Xeon with AMX the median profiled step ran 1.034x its fit, and
+        after a served run (Xeon 480M) the median step ran 1.05x the online fit's weights. The
+        model is scaled by that median, and its residuals by its inverse."""
+        ratios = [seconds / predicted for shape, seconds in steps if (predicted := fit.predict_by_weights(shape)) > 0]
         scale = statistics.median(ratios) if ratios else 1.0
         return cls(fit, num_stages, source, scale, tuple(r / scale for r in ratios))
 

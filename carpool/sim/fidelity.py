@@ -11,7 +11,8 @@ model. Two errors are reported:
 Each is reported twice: for the profile's cost model, and for the online step-time fit the
 SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. The fit's
 iteration error is one step ahead (each step predicted before it is observed); its simulation
-uses the fit as it stood at the end of the real run: it follows the host's speed as it drifts,
+uses the fit as it stood at the end of the real run, scaled to the run's median step as a
+profile's fit is to its own (`FittedCostModel.from_fit`): it follows the host's speed as it drifts,
 which a profile taken minutes earlier cannot. `steps.jsonl` lists every real step (its whole
 shape, the idle time before it, measured and predicted times) and `requests.jsonl` every request
 (its queueing, TTFT and longest gap, real and simulated), to see where errors sit. The
@@ -152,7 +153,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
                         target_tbt=target, seed_fit=True, step_jitter=cost.residuals)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
-    fitted_sim = simulate(specs, cfg, FittedCostModel(fit))  # the fit as it stood after the real run
+    fitted_sim = simulate(specs, cfg, FittedCostModel.from_fit(fit, list(zip(shapes, measured))))  # as after the run
     sim_steps, fitted_steps = iterations(sim), iterations(fitted_sim)
     sim_summary = summarize(timelines(sim), sim_steps, decode_time=ref)[0]
     fitted_summary = summarize(timelines(fitted_sim), fitted_steps, decode_time=ref)[0]

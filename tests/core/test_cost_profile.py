@@ -7,7 +7,7 @@ import json
 import pytest
 
 from carpool.core.cost_profile import FittedCostModel, Profile
-from carpool.core.step_cost import BatchShape, features
+from carpool.core.step_cost import FEATURES, BatchShape, StepCostModel, features
 
 SHAPES = [BatchShape(decode_contexts=(c,) * d, num_sampled=d) for d in (1, 4, 16, 32) for c in (128, 1024)] + \
          [BatchShape(((n, p),), (300,) * d, d + 1) for n in (16, 64, 256, 1024, 2000) for p in (0, 512) for d in (0, 8)]
@@ -18,7 +18,7 @@ def linear_cost(weights: list[float]):
     return lambda shape: sum(w * x for w, x in zip(weights, features(shape)))
 
 
-WEIGHTS = [4e-3, 0.6, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 0.4, 8e-3, 0.0, 0.1, 0.2]
+WEIGHTS = [4e-3, 0.6, 0.2, 0.1, 0.05, 0.3, 0.5, 0.2, 0.01, 2e-3, 0.4, 8e-3, 0.0, 0.1, 0.2]
 
 
 def write_profile(path, cost=linear_cost(WEIGHTS)) -> Profile:
@@ -109,3 +109,22 @@ def test_a_noisy_profile_is_scaled_to_its_median_step():
     assert statistics.median(model.stage_time(s, 0) / cost(s) for s in SHAPES) == pytest.approx(1.0, abs=0.02)
     assert len(model.residuals) == len(profile.steps)
     assert statistics.median(model.residuals) == pytest.approx(1.0)
+
+
+def test_an_online_fit_is_frozen_at_its_steps_median():
+    """The online fit after a run (steps observed one by one, drifting weights) is scaled the
+    same way, over the steps it saw: its frozen model is not low by the relative fit's bias."""
+    import random
+    import statistics
+
+    assert len(WEIGHTS) == len(FEATURES)
+    rng = random.Random(1)
+    cost = linear_cost(WEIGHTS)
+    fit = StepCostModel()
+    steps = [(shape, cost(shape) * rng.lognormvariate(0.0, 0.2)) for _ in range(20) for shape in SHAPES]
+    for shape, seconds in steps:
+        fit.observe(shape, seconds)
+    frozen = FittedCostModel.from_fit(fit, steps)
+    assert statistics.median(fit.predict_by_weights(s) / cost(s) for s in SHAPES) < 0.97
+    assert statistics.median(frozen.stage_time(s, 0) / cost(s) for s in SHAPES) == pytest.approx(1.0, abs=0.03)
+    assert statistics.median(seconds / frozen.stage_time(shape, 0) for shape, seconds in steps) == pytest.approx(1.0)
