@@ -92,8 +92,9 @@ SMALL_HINGE = 8  # where a small step's per-token cost bends (see FEATURES)
 # AMX: `carpool fidelity`'s steps.jsonl on the code-completion workload of BENCHMARKS.md
 # "Simulator fidelity").
 FEATURES = ("fixed", "tokens", *(f"tokens>{h}" for h in HINGES), "decode_rows", "prefill_chunks",
-            "decode_context_sum", "decode_context_padded", "decode_context_longest", "chunk_attention", f"tokens>={SMALL_STEP_TOKENS}",
-            "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}", f"tokens up to {SMALL_STEP_TOKENS}")
+            "decode_context_sum", "decode_context_padded", "decode_context_longest", "chunk_attention",
+            f"tokens>={SMALL_STEP_TOKENS}", "drafts", f"tokens {SMALL_HINGE}..{SMALL_STEP_TOKENS}",
+            f"tokens up to {SMALL_STEP_TOKENS}")
 # Scales that bring each feature near 1 for a typical batch, so the normal equations stay well conditioned.
 _SCALE = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-2, 1e-2, 1e-5, 1e-5, 1e-3, 1e-6, 1.0, 1e-1, 1e-1, 1e-1)
 
@@ -105,8 +106,8 @@ def features(shape: BatchShape) -> list[float]:
     # the small-step slopes saturate rather than drop past SMALL_STEP_TOKENS: every feature stays
     # non-decreasing in a chunk's length, so the prediction does too (the policy's search needs it)
     raw = (1.0, t, *(max(0, t - h) for h in HINGES), len(d), len(shape.prefills), sum(d),
-           len(d) * max(d, default=0), max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS), shape.num_drafts,
-           min(max(0, t - SMALL_HINGE), SMALL_STEP_TOKENS - SMALL_HINGE), min(t, SMALL_STEP_TOKENS))
+           len(d) * max(d, default=0), max(d, default=0), attn, float(t >= SMALL_STEP_TOKENS),
+           shape.num_drafts, min(max(0, t - SMALL_HINGE), SMALL_STEP_TOKENS - SMALL_HINGE), min(t, SMALL_STEP_TOKENS))
     return [x * s for x, s in zip(raw, _SCALE)]
 
 

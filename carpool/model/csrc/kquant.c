@@ -967,8 +967,9 @@ static int amx_slice_matmul(const TileSource *src, const uint16_t *x, void *out,
                     const int64_t step = t0 / (2 * AMX_TOKENS) * ((c1 - c0) / 32);
                     float *acc = sums ? sums + (two * token_pairs + t0 / (2 * AMX_TOKENS)) * 1024
                                       : own + (t0 / (2 * AMX_TOKENS) % 2) * 1024;
-                    if (nb == 2) amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 2, both, acc, c0 == 0, next, step, steps);
-                    else amx_tokens(tiles, stride, xs + t0 * ld + c0, ld, c1 - c0, 1, both, acc, c0 == 0, next, step, steps);
+                    const uint16_t *xt = xs + t0 * ld + c0;
+                    if (nb == 2) amx_tokens(tiles, stride, xt, ld, c1 - c0, 2, both, acc, c0 == 0, next, step, steps);
+                    else amx_tokens(tiles, stride, xt, ld, c1 - c0, 1, both, acc, c0 == 0, next, step, steps);
                     if (c1 < k) continue;
                     if (done) amx_output(out, done, t0 - 2 * AMX_TOKENS, tokens, n, row0, nb);
                     done = acc;
