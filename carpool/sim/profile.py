@@ -6,7 +6,9 @@ time is timed), each under a scheduler chosen for the batches it makes:
   cache serves it), with staggered output lengths, so decode-only batches shrink from 32 rows
   to 1 (which then runs 24 steps alone) at contexts of 128 to 4,096;
 - prefill sizes: prompts of 16 .. 2,048 tokens under vLLM's whole prefills and sarathi's chunks
-  of 512 and 128, beside whatever decodes are running;
+  of 512, 256 and 128, beside whatever decodes are running (without the 256-token chunks the
+  fit's bend at 256 tokens rested on a few whole prefills, and two profiles of one machine put a
+  256-token chunk 22% apart: Xeon 480M, BENCHMARKS.md "Simulator fidelity");
 - mixed contexts: decodes of prompts of many lengths side by side (a ladder's rows all share
   one context, so it cannot tell attention over each context from attention padded to the
   longest);
@@ -37,7 +39,7 @@ LADDER_CONTEXTS = (128, 512, 1536, 4096)
 LADDER_REQUESTS = 32
 LADDER_ALONE = 24  # steps the longest request of a ladder decodes alone
 PREFILL_LENGTHS = (16, 48, 96, 200, 400, 700, 1000, 1500, 2000)
-PREFILL_SCHEDULERS = (("vllm", 2048), ("sarathi", 512), ("sarathi", 128))
+PREFILL_SCHEDULERS = (("vllm", 2048), ("sarathi", 512), ("sarathi", 256), ("sarathi", 128))
 MIXED_REQUESTS, MIXED_LONGEST = 24, 3072  # prompts 32 .. 3,072 tokens, spaced geometrically
 SMALL_HYBRID_BUDGETS = (16, 24, 48, 88)
 
