@@ -13,7 +13,11 @@ SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. Th
 iteration error is one step ahead (each step predicted before it is observed); its simulation
 uses the fit as it stood at the end of the real run, scaled to the run's median step as a
 profile's fit is to its own (`FittedCostModel.from_fit`): it follows the host's speed as it drifts,
-which a profile taken minutes earlier cannot. `steps.jsonl` lists every real step (its whole
+which a profile taken minutes earlier cannot. A third column keeps the profile's weights and follows
+only the host's speed: each step's prediction scaled by its kind's median measured / predicted
+ratio over its last steps (as the online fit scales its own, `speed_followed`), and a simulation
+on the profile scaled to the run's median ratio. It separates what the profile's shape gets wrong
+from how fast the host happened to run. `steps.jsonl` lists every real step (its whole
 shape, the idle time before it, measured and predicted times) and `requests.jsonl` every request
 (its queueing, TTFT and longest gap, real and simulated), to see where errors sit. The
 SLO-following sarathi runs at the engine's default target unless --target-tbt-ms is given.
@@ -21,14 +25,16 @@ SLO-following sarathi runs at the engine's default target unless --target-tbt-ms
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
 
 from carpool.config import DEFAULT_TARGET_TBT_MS
 from carpool.core.cost_profile import FittedCostModel
-from carpool.core.step_cost import BatchShape, StepCostModel, seeded_step_cost, step_time
+from carpool.core.step_cost import SPEED_STEPS, BatchShape, StepCostModel, seeded_step_cost, step_time
 from carpool.engine import LLMEngine
 from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
@@ -57,6 +63,22 @@ def one_step_ahead(cost: FittedCostModel, shapes: list[BatchShape], measured: li
     return predicted, fit
 
 
+def speed_followed(predicted: list[float], measured: list[float], shapes: list[BatchShape]) -> list[float]:
+    """Each step's prediction times its kind's (with a prefill chunk or without) median measured /
+    predicted ratio over the last SPEED_STEPS steps of that kind before it (chunk steps: half as
+    many; 1 until there are 4), the rule the online fit scales its weights by (step_cost.py). One
+    number per kind follows the run; the shape of the cost stays the profile's."""
+    ratios: dict[bool, list[float]] = {False: [], True: []}
+    out = []
+    for p, m, shape in zip(predicted, measured, shapes):
+        kind = bool(shape.prefills)
+        recent = ratios[kind][-(SPEED_STEPS // 2 if kind else SPEED_STEPS):]
+        out.append(p * (statistics.median(recent) if len(recent) >= 4 else 1.0))
+        if p > 0:
+            ratios[kind].append(m / p)
+    return out
+
+
 def idle_before(steps) -> list[float]:
     """Seconds each step's engine sat idle (no step running) before it started; 0 for the first."""
     return [0.0] + [max(0.0, b.start_time - (a.start_time + a.duration)) for a, b in zip(steps, steps[1:])]
@@ -73,17 +95,18 @@ def errors_by_kind(predicted: list[float], measured: list[float], shapes: list[B
             "decode_iteration_bias": float(np.median(signed[~with_prefill])) if (~with_prefill).any() else None}
 
 
-def step_record(shape: BatchShape, measured: float, idle_before: float, profile: float, online: float) -> dict:
+def step_record(shape: BatchShape, measured: float, idle_before: float, profile: float, online: float,
+                at_speed: float) -> dict:
     """One real step as `steps.jsonl` lists it: its whole shape, the idle time before it, and
     the measured and predicted times."""
     return {"prefills": [list(c) for c in shape.prefills], "decode_contexts": list(shape.decode_contexts),
             "num_sampled": shape.num_sampled, "num_drafts": shape.num_drafts, "idle_before_s": idle_before,
-            "measured_s": measured, "profile_s": profile, "online_s": online}
+            "measured_s": measured, "profile_s": profile, "online_s": online, "profile_at_speed_s": at_speed}
 
 
-def request_records(real, simulated, fitted) -> list[dict]:
-    """Each request's waits, real and simulated (profile; online fit), in arrival order: to see
-    which requests a latency percentile's error comes from."""
+def request_records(real, simulated: dict) -> list[dict]:
+    """Each request's waits, real and simulated (by column: profile, online fit, ...), in arrival
+    order: to see which requests a latency percentile's error comes from."""
     def waits(t) -> dict:
         ttft = t.token_times[0] - t.arrival_time if t.token_times else None
         gaps = np.diff(t.token_times) if len(t.token_times) > 1 else np.zeros(1)
@@ -92,9 +115,11 @@ def request_records(real, simulated, fitted) -> list[dict]:
 
     order = lambda ts: sorted(ts, key=lambda t: t.arrival_time)  # noqa: E731
     origin = min((t.arrival_time for t in real), default=0.0)
+    columns = {name: order(ts) for name, ts in simulated.items()}
     return [{"arrival_s": r.arrival_time - origin, "prompt_tokens": r.num_prompt_tokens,
-             "output_tokens": len(r.token_times), "real": waits(r), "profile": waits(s), "online": waits(f)}
-            for r, s, f in zip(order(real), order(simulated), order(fitted))]
+             "output_tokens": len(r.token_times), "real": waits(r),
+             **{name: waits(ts[i]) for name, ts in columns.items()}}
+            for i, r in enumerate(order(real))]
 
 
 def latency_errors(real_summary, sim_summary) -> dict:
@@ -144,6 +169,8 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     shapes = shapes[-len(steps):]
     predicted = [step_time(cost, sh) for sh in shapes]
     online, fit = one_step_ahead(cost, shapes, measured, budget, engine.max_model_len)
+    at_speed = speed_followed(predicted, measured, shapes)
+    run_speed = statistics.median(m / p for m, p in zip(measured, predicted) if p > 0)
 
     # The same requests, token ids included, so that prefix-cache hits are the same too.
     cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget,
@@ -154,14 +181,18 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
     fitted_sim = simulate(specs, cfg, FittedCostModel.from_fit(fit, list(zip(shapes, measured))))  # as after the run
-    sim_steps, fitted_steps = iterations(sim), iterations(fitted_sim)
+    speed_sim = simulate(specs, cfg, dataclasses.replace(cost, scale=cost.scale * run_speed))
+    sim_steps, fitted_steps, speed_steps = iterations(sim), iterations(fitted_sim), iterations(speed_sim)
     sim_summary = summarize(timelines(sim), sim_steps, decode_time=ref)[0]
     fitted_summary = summarize(timelines(fitted_sim), fitted_steps, decode_time=ref)[0]
+    speed_summary = summarize(timelines(speed_sim), speed_steps, decode_time=ref)[0]
     real_busy = busy_fraction(measured, real_summary.duration)
     return {
         "scheduler": spec.label,
-        "steps": [step_record(*record) for record in zip(shapes, measured, idle_before(steps), predicted, online)],
-        "requests": request_records(run.timelines, timelines(sim), timelines(fitted_sim)),
+        "steps": [step_record(*record)
+                  for record in zip(shapes, measured, idle_before(steps), predicted, online, at_speed)],
+        "requests": request_records(run.timelines, {"profile": timelines(sim), "online": timelines(fitted_sim),
+                                                    "profile_at_speed": timelines(speed_sim)}),
         "iterations": len(steps),
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
@@ -175,6 +206,11 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
                    "busy": {"real": real_busy,
                             "simulated": busy_fraction([r.duration for r in fitted_steps], fitted_summary.duration)},
                    "coefficients": fit.coefficients()},
+        "profile_at_speed": {**errors_by_kind(at_speed, measured, shapes),
+                             "latency": latency_errors(real_summary, speed_summary),
+                             "busy": {"real": real_busy, "simulated": busy_fraction([r.duration for r in speed_steps],
+                                                                                    speed_summary.duration)},
+                             "run_speed": run_speed},
         "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
     }
 
@@ -197,7 +233,8 @@ def run_fidelity(config, args) -> dict:
              "TTFT P99 real / sim (err) | TBT P50 real / sim (err) | TBT P99 real / sim (err) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        for label, e in ((f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"])):
+        for label, e in ((f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"]),
+                         (f"{r['scheduler']}, profile at the host's speed", r["profile_at_speed"])):
             cells = []
             for key in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"):
                 v = e["latency"][key]

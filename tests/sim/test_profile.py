@@ -156,12 +156,13 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
         assert set(r["latency"]) == {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
         assert all(v["real"] > 0 and v["simulated"] > 0 for v in r["latency"].values())
         # steps run one after another inside the span from the first arrival to the last token
-        for column in (r, r["online"]):
+        for column in (r, r["online"], r["profile_at_speed"]):
             assert all(0 < column["busy"][k] <= 1.01 for k in ("real", "simulated"))
         # every scheduler's columns, recomputed from its own steps by one formula
         mine = [s for s in steps if s["scheduler"] == r["scheduler"]]
         assert len(mine) == r["iterations"] and all(s["measured_s"] > 0 and s["idle_before_s"] >= 0 for s in mine)
-        for column, key in ((r, "profile_s"), (r["online"], "online_s")):
+        for column, key in ((r, "profile_s"), (r["online"], "online_s"),
+                            (r["profile_at_speed"], "profile_at_speed_s")):
             signed = [s[key] / s["measured_s"] - 1 for s in mine]
             assert column["iteration_error_p50"] == pytest.approx(statistics.median(map(abs, signed)))
             decodes = [e for e, s in zip(signed, mine) if not s["prefills"]]
@@ -169,7 +170,9 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
                 assert column["decode_iteration_bias"] == pytest.approx(statistics.median(decodes))
         requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
         mine = [q for q in requests if q["scheduler"] == r["scheduler"]]
-        assert len(mine) == 8 and all(q[k]["ttft_s"] > 0 for q in mine for k in ("real", "profile", "online"))
+        columns = ("real", "profile", "online", "profile_at_speed")
+        assert len(mine) == 8 and all(q[k]["ttft_s"] > 0 for q in mine for k in columns)
         # the P99 of eight TTFTs is nearly the largest: the percentile comes from these records
         assert r["latency"]["ttft_p99"]["real"] <= max(q["real"]["ttft_s"] for q in mine) + 1e-9
-    assert "| sarathi, profile |" in (out / "fidelity.md").read_text()
+    table = (out / "fidelity.md").read_text()
+    assert "| sarathi, profile |" in table and "| sarathi, profile at the host's speed |" in table
