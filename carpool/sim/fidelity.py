@@ -13,28 +13,29 @@ SLO-following sarathi uses (core/step_cost.py), seeded from the same profile. Th
 iteration error is one step ahead (each step predicted before it is observed); its simulation
 uses the fit as it stood at the end of the real run, scaled to the run's median step as a
 profile's fit is to its own (`FittedCostModel.from_fit`): it follows the host's speed as it drifts,
-which a profile taken minutes earlier cannot. A third column keeps the profile's weights and follows
-only the host's speed: each step's prediction scaled by its kind's median measured / predicted
-ratio over its last steps (as the online fit scales its own, `speed_followed`), and a simulation
-on the profile scaled to the run's median ratio. It separates what the profile's shape gets wrong
-from how fast the host happened to run. `steps.jsonl` lists every real step (its whole
-shape, the idle time before it, measured and predicted times) and `requests.jsonl` every request
-(its queueing, TTFT and longest gap, real and simulated), to see where errors sit. The
-SLO-following sarathi runs at the engine's default target unless --target-tbt-ms is given.
+which a profile taken minutes earlier cannot. A third column keeps the profile's weights and
+follows only the host's speed: each step's prediction scaled by its kind's median measured /
+predicted ratio over its last steps (as the online fit scales its own, `speed_followed`), and a
+simulation on the profile with each kind scaled by its median ratio over the run (`AtRunSpeed`).
+It separates what the profile's shape gets wrong from how fast the host happened to run.
+`steps.jsonl` lists every real step (its whole shape, the idle time before it, measured and
+predicted times) and `requests.jsonl` every request (its queueing, TTFT and longest gap, real and
+simulated), to see where errors sit. The SLO-following sarathi runs at the engine's default
+target unless --target-tbt-ms is given.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from carpool.config import DEFAULT_TARGET_TBT_MS
 from carpool.core.cost_profile import FittedCostModel
-from carpool.core.step_cost import SPEED_STEPS, BatchShape, StepCostModel, seeded_step_cost, step_time
+from carpool.core.step_cost import SPEED_STEPS, BatchShape, CostModel, StepCostModel, seeded_step_cost, step_time
 from carpool.engine import LLMEngine
 from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
@@ -77,6 +78,32 @@ def speed_followed(predicted: list[float], measured: list[float], shapes: list[B
         if p > 0:
             ratios[kind].append(m / p)
     return out
+
+
+@dataclass
+class AtRunSpeed:
+    """A cost model with each kind of step scaled by its median measured / predicted ratio over a
+    run: its shape at the speed the host ran. One ratio for both kinds would not do: a compute-bound
+    chunk and a decode that reads the weights drift apart (a run's two ratios differed by 12%)."""
+
+    cost: CostModel
+    speeds: dict[bool, float]  # with a prefill chunk or without
+
+    @property
+    def num_stages(self) -> int:
+        return self.cost.num_stages
+
+    def stage_time(self, shape: BatchShape, stage: int) -> float:
+        return self.speeds[bool(shape.prefills)] * self.cost.stage_time(shape, stage)
+
+    @classmethod
+    def of_run(cls, cost: CostModel, predicted: list[float], measured: list[float],
+               shapes: list[BatchShape]) -> AtRunSpeed:
+        speeds = {}
+        for kind in (False, True):
+            ratios = [m / p for p, m, sh in zip(predicted, measured, shapes) if bool(sh.prefills) == kind and p > 0]
+            speeds[kind] = statistics.median(ratios) if ratios else 1.0
+        return cls(cost, speeds)
 
 
 def idle_before(steps) -> list[float]:
@@ -170,7 +197,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     predicted = [step_time(cost, sh) for sh in shapes]
     online, fit = one_step_ahead(cost, shapes, measured, budget, engine.max_model_len)
     at_speed = speed_followed(predicted, measured, shapes)
-    run_speed = statistics.median(m / p for m, p in zip(measured, predicted) if p > 0)
+    run_speed = AtRunSpeed.of_run(cost, predicted, measured, shapes)
 
     # The same requests, token ids included, so that prefix-cache hits are the same too.
     cfg = ReplicaConfig(scheduler=scheduler, max_num_batched_tokens=budget,
@@ -181,7 +208,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     real_summary, _ = summarize(run.timelines, run.iterations, decode_time=ref)
     sim = simulate(specs, cfg, cost)
     fitted_sim = simulate(specs, cfg, FittedCostModel.from_fit(fit, list(zip(shapes, measured))))  # as after the run
-    speed_sim = simulate(specs, cfg, dataclasses.replace(cost, scale=cost.scale * run_speed))
+    speed_sim = simulate(specs, cfg, run_speed)
     sim_steps, fitted_steps, speed_steps = iterations(sim), iterations(fitted_sim), iterations(speed_sim)
     sim_summary = summarize(timelines(sim), sim_steps, decode_time=ref)[0]
     fitted_summary = summarize(timelines(fitted_sim), fitted_steps, decode_time=ref)[0]
@@ -210,7 +237,7 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
                              "latency": latency_errors(real_summary, speed_summary),
                              "busy": {"real": real_busy, "simulated": busy_fraction([r.duration for r in speed_steps],
                                                                                     speed_summary.duration)},
-                             "run_speed": run_speed},
+                             "run_speed": {"prefill": run_speed.speeds[True], "decode": run_speed.speeds[False]}},
         "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
     }
 

@@ -1,9 +1,11 @@
 """`carpool fidelity`'s column that follows the host's speed (the run itself: tests/sim/test_profile.py)."""
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from carpool.core.step_cost import SPEED_STEPS, BatchShape
-from carpool.sim.fidelity import speed_followed
+from carpool.sim.cost_model import FormulaCostModel
+from carpool.sim.fidelity import AtRunSpeed, speed_followed
 
 DECODE = BatchShape(decode_contexts=(100,), num_sampled=1)
 CHUNK = BatchShape(prefills=((256, 0),), num_sampled=1)
@@ -36,3 +38,13 @@ def test_a_step_never_sees_its_own_time():
     shapes, predicted = [DECODE] * 10, [1.0] * 10
     measured = [1.0] * 9 + [100.0]
     assert speed_followed(predicted, measured, shapes)[-1] == 1.0
+
+
+def test_a_run_speed_scales_each_kind_by_its_own_median():
+    cost = FormulaCostModel(fixed=0.01, per_token=0.001)
+    shapes = [DECODE, CHUNK, DECODE, CHUNK, DECODE]
+    predicted = [cost.stage_time(sh, 0) for sh in shapes]
+    speeds = [0.9, 1.2, 0.8, 1.3, 1.0]  # decodes' median 0.9, chunks' 1.25
+    at_speed = AtRunSpeed.of_run(cost, predicted, [p * v for p, v in zip(predicted, speeds)], shapes)
+    assert at_speed.stage_time(DECODE, 0) == pytest.approx(0.9 * cost.stage_time(DECODE, 0))
+    assert at_speed.stage_time(CHUNK, 0) == pytest.approx(1.25 * cost.stage_time(CHUNK, 0))
