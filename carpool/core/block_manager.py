@@ -15,9 +15,10 @@ non-cryptographic hash such as Python's `hash` would allow exactly that).
 
 Block states: *held* by one or more requests (reference-counted; cached full blocks are shared),
 *free and cached* (nobody holds it; it keeps its KV and its key, least recently used first), or
-*free* (no content worth keeping). New blocks come from the free list first, then by evicting the
-least recently used cached block, so eviction always happens before the scheduler has to preempt
-anything: `num_free_blocks` counts both kinds of unheld blocks.
+*free* (no content worth keeping). New blocks come from the free list first (the block given back
+last is taken first), then by evicting the least recently used cached block, so eviction always
+happens before the scheduler has to preempt anything: `num_free_blocks` counts both kinds of
+unheld blocks.
 
 Sliding windows (`window`: Gemma 2 and 3, whose sliding-window layers sit beside full-attention
 ones). A block then holds `block_size` tokens of KV for as many layers as the model has
@@ -76,7 +77,11 @@ class BlockManager:
         self._window_users: dict[int, set[str]] = {}  # table block -> requests whose window reaches it
         self._evictable_windows: OrderedDict[int, None] = OrderedDict()  # cached, unused; LRU first
         self._window_start: dict[str, int] = {}  # request -> table blocks its window has left
-        self._free: deque[int] = deque(range(num_blocks))  # unheld, nothing cached
+        # Unheld, nothing cached; taken from the right: the block given back last goes out first.
+        # Its pages are mapped and may still sit in a cache. Taken oldest first, the list walked
+        # the whole KV cache, and the first write to each block's pages faulted (the runner
+        # allocates it unwritten): 17 ms of a 512-token step of the embedded model, 10% of it.
+        self._free: deque[int] = deque(reversed(range(num_blocks)))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld but cached, LRU first
         self._holders: dict[int, set[str]] = {}  # held block -> ids of the requests holding it
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
@@ -212,7 +217,7 @@ class BlockManager:
 
     def _take_free(self) -> int:
         if self._free:
-            return self._free.popleft()
+            return self._free.pop()
         if self._evictable_windows:  # a cached block's window blocks go before any table block
             block, _ = self._evictable_windows.popitem(last=False)
             taken, *rest = self._window_of.pop(block)
@@ -298,7 +303,7 @@ class BlockManager:
                 self._evictable[block] = None
             else:
                 plain.append(block)
-        self._free.extend(reversed(plain))
+        self._free.extend(plain)  # the table's first block on the right: taken first
 
     def holders(self) -> dict[int, set[str]]:
         """Held block -> ids of the requests holding it (for checks and metrics)."""

@@ -13,7 +13,9 @@ Contexts are gathered whole blocks at a time (a 16-token block is one contiguous
 gathering slot by slot was 15x slower). torch 2.13's CPU SDPA (flash, GQA in the kernel) beat
 the two batched matmuls with the query heads grouped per KV head that carpool used before, at
 every shape measured: 1.4-2.0x for decodes, 3.5-4.5x for chunks over a cached prefix in bf16
-(1.3-2.3x in fp32), timed call against call on the same gathered blocks.
+(1.3-2.3x in fp32), timed call against call on the same gathered blocks. Its time jumps
+between neighbouring query counts, so chunks are padded to a multiple of SDPA_ROWS queries
+(`padded_rows`).
 
 Gemma's layers need what neither the C kernel nor SDPA's causal flag gives: a sliding window
 (a query sees only its last `window` keys) and tanh soft-capped logits (Gemma 2).
@@ -32,6 +34,16 @@ import torch
 import torch.nn.functional as F
 
 from carpool.model.cpu_kernels import paged_attention_runs, paged_decode_attention
+
+# torch 2.13's CPU flash attention runs some query counts far slower than the next multiple of 16:
+# a causal chunk of the embedded model's heads (9 x 64, bf16, 2 threads) took 1.29 ms at 511
+# queries and 0.86 ms at 512, 1.83 at 501 and 0.91 at 504; over a 512-token prefix 2.72 ms at 511
+# queries and 2.12 at 512. A chunk of 511 is common: a 512-token budget with one decode beside it.
+SDPA_ROWS = 16
+
+
+def padded_rows(n: int) -> int:
+    return -(-n // SDPA_ROWS) * SDPA_ROWS
 
 
 @dataclass
@@ -142,13 +154,29 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: in
     return out.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[1:])
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prefill chunk with nothing cached before it. q: [n, heads, D]; k, v: [n, kv_heads, D]
+    -> [n, heads, D]. Padded at the end to `padded_rows(n)`: a padded key comes after every real
+    query, so causality hides it."""
+    n = len(q)
+    if (pad := padded_rows(n) - n):
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o[0, :, :n].transpose(0, 1)
+
+
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
                     ) -> torch.Tensor:
     """One prefill chunk over its cached prefix and itself. q: [n, heads, D]; k, v: [ctx,
-    kv_heads, D]; mask: [n, ctx] bool -> [n, heads, D]."""
+    kv_heads, D]; mask: [n, ctx] bool -> [n, heads, D]. Padded to `padded_rows(n)` queries, which
+    see every key (a row with none would be NaN) and are dropped."""
+    n = len(q)
+    if (pad := padded_rows(n) - n):
+        q, mask = F.pad(q, (0, 0, 0, 0, 0, pad)), F.pad(mask, (0, 0, 0, pad), value=True)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask[None, None], scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+    return o[0, :, :n].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
@@ -275,10 +303,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         out[:nd] = decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_mask, scale, bs)
     for p in meta.prefills:
         if p.block_table is None:  # nothing cached: plain causal attention over the chunk
-            ks, vs = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q[p.start:p.end].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0),
-                                               vs.unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
-            out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
+            out[p.start:p.end] = causal_attention(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], scale)
         else:
             ks, vs = gather_blocks(cache[0], p.block_table, bs), gather_blocks(cache[1], p.block_table, bs)
             out[p.start:p.end] = chunk_attention(q[p.start:p.end], ks, vs, p.mask, scale)

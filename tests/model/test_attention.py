@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carpool.model.attention import (AttentionMetadata, PrefillChunk, chunk_attention, decode_attention, decode_runs,
-                                     paged_attention, query_runs)
+from carpool.model.attention import (SDPA_ROWS, AttentionMetadata, PrefillChunk, causal_attention, chunk_attention,
+                                     decode_attention, decode_runs, paged_attention, query_runs)
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 16, 16
 
@@ -32,6 +32,17 @@ def test_chunk_attention_over_a_cached_prefix(n, cached):
     mask = torch.arange(width)[None, :] <= torch.arange(cached, cached + n)[:, None]
     got = chunk_attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(got, naive(q, k, v, cached, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, SDPA_ROWS - 1, SDPA_ROWS, SDPA_ROWS + 1, 100])
+def test_causal_attention_padded_to_whole_row_groups(n):
+    """The padding (keys after every real query, queries dropped) changes nothing."""
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, HEADS, DIM, generator=gen)
+    k, v = torch.randn(n, KV_HEADS, DIM, generator=gen), torch.randn(n, KV_HEADS, DIM, generator=gen)
+    got = causal_attention(q, k, v, 0.25)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, naive(q, k, v, 0, 0.25), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_over_padded_block_tables():
