@@ -156,6 +156,9 @@ def hf_single_stream(model_path: str, dtype: torch.dtype, new_tokens: int) -> di
 def run_hybrid_bench(config: EngineConfig, args) -> dict:
     chunks = [int(c) for c in args.chunks.split(",")]
     decodes = [int(d) for d in args.decodes.split(",")]
+    if min(chunks + decodes) < 1:
+        raise ValueError("--chunks and --decodes take counts of 1 or more (each row's prefill-only column is "
+                         "its chunk alone)")
     L, repeats = args.context, args.repeats
     config.kv_cache_memory = config.kv_cache_memory or 1 << 30
     engine = LLMEngine(config)

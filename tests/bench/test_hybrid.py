@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from carpool.bench.hybrid import weight_bytes_read
+from carpool.cli import main
 from carpool.engine import LLMEngine
+
+
+@pytest.mark.parametrize("flag", [["--decodes", "0,1"], ["--chunks", "0"]])
+def test_a_zero_count_is_a_clear_error_before_any_work(flag, capsys):
+    assert main(["bench", "hybrid", "--no-hf", *flag]) != 0
+    assert "take counts of 1 or more" in capsys.readouterr().err
 
 
 @pytest.mark.slow
