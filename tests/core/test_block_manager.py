@@ -70,6 +70,23 @@ def test_allocate_free_round_trip():
     assert bm.num_free_blocks == 8
 
 
+def test_freed_blocks_are_taken_again_first_in_table_order():
+    """The next request gets the blocks the last one gave back (their KV pages are mapped, maybe
+    cached), in the order it held them; never-used blocks only once those run out."""
+    bm = BlockManager(64, 4)
+    a, b = make_request("a"), make_request("b")
+    assert bm.allocate(a, 12) and a.block_ids == [0, 1, 2]
+    assert bm.allocate(b, 8) and b.block_ids == [3, 4]
+    bm.free(a)
+    c = make_request("c")
+    assert bm.allocate(c, 16)
+    assert c.block_ids == [0, 1, 2, 5]
+    bm.free(b)
+    bm.free(c)
+    d = make_request("d")
+    assert bm.allocate(d, 24) and d.block_ids == [0, 1, 2, 5, 3, 4]
+
+
 def test_allocation_is_all_or_nothing():
     bm = BlockManager(4, 2)
     a, b = make_request("a"), make_request("b")
