@@ -118,6 +118,18 @@ def _medians(a: np.ndarray) -> np.ndarray:
     return 0.5 * (s[..., (m - 1) // 2] + s[..., m // 2])
 
 
+def speed_window(chunks: bool) -> int:
+    """How many of a kind's last steps give its speed: SPEED_STEPS, half as many for steps with a
+    chunk (a burst holds few of those, and each is long)."""
+    return SPEED_STEPS // 2 if chunks else SPEED_STEPS
+
+
+def recent_speed(ratios: np.ndarray, chunks: bool) -> float:
+    """A kind's speed from its steps' measured / predicted ratios, oldest first: the median of the
+    last `speed_window`; 1 until there are 4."""
+    return float(_medians(ratios[-speed_window(chunks):])) if len(ratios) >= 4 else 1.0
+
+
 def nonnegative_least_squares(ata: np.ndarray, atb: np.ndarray, ridge: float | np.ndarray,
                               free: Sequence[int] | None = None) -> list[float]:
     """min |A w - y|^2 + sum(ridge * w^2) subject to w >= 0, from the normal equations, by an active
@@ -319,8 +331,8 @@ class StepCostModel:
         for kind in (False, True):
             steps = np.flatnonzero(usable & (chunks == kind))
             ratios = measured[steps] / predicted[steps]
-            last = SPEED_STEPS // 2 if kind else SPEED_STEPS
-            self._speeds[kind] = float(_medians(ratios[-last:])) if len(ratios) >= 4 else 1.0
+            last = speed_window(kind)
+            self._speeds[kind] = recent_speed(ratios, kind)
             if len(ratios) > last:
                 adjusted[steps[last:]] = ratios[last:] / _medians(sliding_window_view(ratios[:-1], last))
         seen = ~np.isnan(adjusted)

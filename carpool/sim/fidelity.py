@@ -35,7 +35,8 @@ import numpy as np
 
 from carpool.config import DEFAULT_TARGET_TBT_MS
 from carpool.core.cost_profile import FittedCostModel
-from carpool.core.step_cost import SPEED_STEPS, BatchShape, CostModel, StepCostModel, seeded_step_cost, step_time
+from carpool.core.step_cost import (BatchShape, CostModel, StepCostModel, recent_speed, seeded_step_cost, speed_window,
+                                    step_time)
 from carpool.engine import LLMEngine
 from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
@@ -65,16 +66,15 @@ def one_step_ahead(cost: FittedCostModel, shapes: list[BatchShape], measured: li
 
 
 def speed_followed(predicted: list[float], measured: list[float], shapes: list[BatchShape]) -> list[float]:
-    """Each step's prediction times its kind's (with a prefill chunk or without) median measured /
-    predicted ratio over the last SPEED_STEPS steps of that kind before it (chunk steps: half as
-    many; 1 until there are 4), the rule the online fit scales its weights by (step_cost.py). One
-    number per kind follows the run; the shape of the cost stays the profile's."""
+    """Each step's prediction times its kind's (with a prefill chunk or without) speed over the
+    steps of that kind before it, by the rule the online fit scales its weights by
+    (`step_cost.recent_speed`). One number per kind follows the run; the shape of the cost stays
+    the profile's."""
     ratios: dict[bool, list[float]] = {False: [], True: []}
     out = []
     for p, m, shape in zip(predicted, measured, shapes):
         kind = bool(shape.prefills)
-        recent = ratios[kind][-(SPEED_STEPS // 2 if kind else SPEED_STEPS):]
-        out.append(p * (statistics.median(recent) if len(recent) >= 4 else 1.0))
+        out.append(p * recent_speed(np.array(ratios[kind][-speed_window(kind):]), kind))
         if p > 0:
             ratios[kind].append(m / p)
     return out
