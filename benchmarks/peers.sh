@@ -5,6 +5,9 @@
 # iq4xs steps) and smollm2-135m-hf/ (gguf_to_hf.py). STEPS="..." picks steps; the big-* steps serve one stream
 # of BIG_GGUF (e.g. `python -m carpool.model.gguf_encode random:llama-3.1-8b FILE`);
 # LLAMA_EXTRA adds llama-server flags (--no-repack where its AMX repacking crashes on Q4_1).
+# The *-alternate steps keep carpool and llama.cpp up together and run ROUNDS (default 6) single streams
+# against each in turn, each round after a read of 512 MiB (the host's read rate that minute, in read-rate.txt):
+# on a host whose memory speed moves 20-40% from minute to minute, only rounds side by side give a ratio.
 set -uo pipefail
 OUT="$1"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -19,7 +22,7 @@ wait_up() { # URL PID: until the server answers, or its process has died
   for i in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }
 single() { # URL NAME MODEL
   $CARPOOL bench serving --arrivals burst --num-requests 1 --lengths fixed --prompt-len 256 --output-len 128 --qps 1 \
-    --no-plots --no-logprobs --seed 1 --base-url "$1/v1" --served-model "$3" --output "$OUT/$2-single" > "$OUT/$2-single.log" 2>&1
+    --no-plots --no-logprobs --seed ${SEED:-1} --base-url "$1/v1" --served-model "$3" --output "$OUT/$2-single" > "$OUT/$2-single.log" 2>&1
 }
 burst() { # URL NAME MODEL
   $CARPOOL bench serving --arrivals burst --num-requests 16 --lengths uniform --prompt-range 64,1024 --output-range 64,256 \
@@ -43,6 +46,28 @@ llama_run() { # NAME GGUF KIND
   [ "$kind" = both ] && burst http://127.0.0.1:8080 "$name" peer
   kill $pid; wait $pid 2>/dev/null
 }
+read_rate() { # GB/s of summing 512 MiB with every core, the median of 5: what a batch-1 decode step can read
+  $PY -c 'import time, torch
+x = torch.ones(128 << 20)
+def once():
+    t = time.perf_counter(); x.sum(); return time.perf_counter() - t
+print(round(x.numel() * 4 / sorted(once() for _ in range(5))[2] / 1e9, 1))'
+}
+alternate() { # NAME GGUF: both servers up, ROUNDS single streams against each in turn
+  local name=$1 model=$2
+  $CARPOOL serve --model "$model" --port 8011 > "$OUT/$name-carpool-server.log" 2>&1 & local cpid=$!
+  wait_up http://127.0.0.1:8011 $cpid || { echo "$name: carpool did not start"; kill $cpid; return; }
+  "$LLAMA" -m "$model" --host 127.0.0.1 --port 8080 --alias peer -t "$(nproc)" -tb "$(nproc)" -np $NP -cb \
+    -c $((NP * 1280)) --cache-ram 0 -fa off --metrics ${LLAMA_EXTRA:-} > "$OUT/$name-llama-server.log" 2>&1 & local lpid=$!
+  wait_up http://127.0.0.1:8080 $lpid || { echo "$name: llama.cpp did not start"; kill $cpid $lpid; return; }
+  local served=$(curl -s http://127.0.0.1:8011/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  for round in $(seq 1 "${ROUNDS:-6}"); do
+    echo "$round $(read_rate)" >> "$OUT/$name-read-rate.txt"
+    SEED=$round single http://127.0.0.1:8011 "$name-carpool-$round" "$served"
+    SEED=$round single http://127.0.0.1:8080 "$name-llama-$round" peer
+  done
+  kill $cpid $lpid; wait $cpid $lpid 2>/dev/null
+}
 vllm_run() { # NAME HF_FOLDER KIND
   local name=$1 model=$2 kind=$3
   bash ../shared/peers/vllm-cpu/serve.sh "$model" 8000 > "$OUT/$name-server.log" 2>&1 & local pid=$!
@@ -62,6 +87,8 @@ for step in ${STEPS:-q4km-carpool q4km-llama q4km-carpool-fixed bf16-carpool bf1
     iq4xs-llama) llama_run iq4xs-llama $IQ4XS single ;;
     big-carpool) carpool_run big-carpool "${BIG_GGUF:?set BIG_GGUF}" single ;;
     big-llama) llama_run big-llama "${BIG_GGUF:?set BIG_GGUF}" single ;;
+    q4km-alternate) alternate q4km-alternate $Q4KM ;;
+    bf16-alternate) alternate bf16-alternate $BF16 ;;
     bf16-carpool) carpool_run bf16-carpool $BF16 single ;;
     bf16-llama) llama_run bf16-llama $BF16 single ;;
     bf16-vllm) vllm_run bf16-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b single ;;

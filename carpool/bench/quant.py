@@ -12,7 +12,9 @@ turn, so weights come from memory as in a forward pass rather than from a hot ca
 interleaved and the best of a few rounds is kept, so ratios hold on a busy host. Then one greedy
 stream decodes per `--quantization` mode through the whole engine (the engines take turns, best
 of the same rounds). The summary states, per quantized kernel, prefill speed at 256 tokens as a
-ratio to the packed bf16 GEMM, and a 16-token step's tokens/s as a ratio to a 1-token step's.
+ratio to the packed bf16 GEMM, a 16-token step's tokens/s as a ratio to a 1-token step's, and the
+256-token rate in GOP/s beside the CPU's `vpdpbusd` rate alone, measured at the start of the run
+(csrc/kquant.c `int8_peak_gops`): how far an integer kernel's prefill is from what the CPU can do.
 """
 
 from __future__ import annotations
@@ -164,20 +166,26 @@ def run_quant_bench(config: EngineConfig, args) -> dict:
     cpu = OtherCpu()
     start = time.perf_counter()
     print(f"model {Path(config.model).name}; dtype {dtype}; threads {torch.get_num_threads()}")
+    peak = cpu_kernels.int8_peak_gops(torch.get_num_threads())
+    if peak:
+        print(f"vpdpbusd alone: {peak:.0f} GOP/s on {torch.get_num_threads()} threads")
     rows = kernel_table(cfg, args.tokens, args.rounds, dtype, only=only)
     config.kv_cache_memory = config.kv_cache_memory or 256 << 20
     decode = decode_per_mode(config, args.modes, args.new_tokens, args.rounds) if args.new_tokens else {}
     result = {"model": config.model, "dtype": str(dtype), "threads": torch.get_num_threads(),
               "cpu": cpu_name(), "other_cpu_cores": cpu.sample(), "seconds": time.perf_counter() - start,
-              "kernels": rows, "targets": targets(rows), "single_stream": decode}
+              "int8_peak_gops": peak, "kernels": rows, "targets": targets(rows, peak), "single_stream": decode}
     write_outputs(result, Path(args.output))
     return result
 
 
-def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
+def targets(rows: list[dict], int8_peak_gops: float = 0.0) -> dict[str, dict[str, float]]:
     """Per kernel but the reference (the quantized ones and the bf16 tiles), summed over the
     model's shapes: prefill at 256 tokens as a speed ratio to the packed bf16 GEMM (>= 0.8 wanted: one copy of the weights costs prefill little),
-    and a 16-token step's tokens/s over a 1-token step's (>= 4 wanted: batching pays)."""
+    and a 16-token step's tokens/s over a 1-token step's (>= 4 wanted: batching pays). Also the
+    256-token rate in GOP/s and as a share of `int8_peak_gops`, the CPU's `vpdpbusd` rate alone:
+    how much faster an integer kernel's prefill could be at all (a share above 1 means the
+    kernel runs on something faster, such as AMX tiles)."""
     def total(kernel: str, tokens: int) -> float | None:
         times = [r.get(f"{kernel}_s") for r in rows if r["tokens"] == tokens]
         return sum(times) if times and None not in times else None
@@ -191,6 +199,10 @@ def targets(rows: list[dict]) -> dict[str, dict[str, float]]:
             entry["prefill_256_vs_bf16"] = dense / prefill
         if one and sixteen:
             entry["batch16_vs_batch1_tokens_per_s"] = 16 * one / sixteen
+        if prefill:
+            entry["prefill_256_gops"] = sum(2 * r["in"] * r["out"] * 256 for r in rows if r["tokens"] == 256) / prefill / 1e9
+            if int8_peak_gops:
+                entry["prefill_256_of_int8_peak"] = entry["prefill_256_gops"] / int8_peak_gops
         if entry:
             out[kernel] = entry
     return out
@@ -211,11 +223,14 @@ def write_outputs(result: dict, out: Path) -> None:
                      + " | ".join(f"{r[f'{k}_s'] * 1e6:.1f}" for k in kernels) + " | "
                      + " / ".join(f"{r[f'{ref}_s'] / r[f'{k}_s']:.2f}x" for k in kernels if k in COMPARED) + " |")
     if result["targets"]:
-        lines += ["", "| kernel (all shapes) | prefill 256 tokens, speed vs bf16 | 16-token step vs 1-token, tokens/s |",
-                  "|---|---|---|"]
+        peak = result.get("int8_peak_gops", 0.0)
+        lines += ["", "| kernel (all shapes) | prefill 256 tokens, speed vs bf16 | 16-token step vs 1-token, tokens/s "
+                  f"| 256 tokens GOP/s | share of vpdpbusd's {peak:.0f} GOP/s |", "|---|---|---|---|---|"]
+        nan = float("nan")
         for kernel, t in result["targets"].items():
-            lines.append(f"| {kernel} | {t.get('prefill_256_vs_bf16', float('nan')):.2f}x | "
-                         f"{t.get('batch16_vs_batch1_tokens_per_s', float('nan')):.2f}x |")
+            lines.append(f"| {kernel} | {t.get('prefill_256_vs_bf16', nan):.2f}x | "
+                         f"{t.get('batch16_vs_batch1_tokens_per_s', nan):.2f}x | {t.get('prefill_256_gops', nan):.0f} | "
+                         f"{t.get('prefill_256_of_int8_peak', nan):.2f} |")
     if result["single_stream"]:
         lines += ["", "| --quantization | decode tokens/s |", "|---|---|"]
         for mode, s in result["single_stream"].items():

@@ -71,6 +71,7 @@ KERNELS: dict[str, tuple[str, str]] = {
                                       "int is_bf16, int num_threads, i64 amx_from"),
     "kq_supported": ("int", ""),
     "kq_gemm_supported": ("int", ""),
+    "int8_peak_gops": ("f32", "int num_threads"),
     "kq_rows": ("void", "ptr w, ptr rows, i64 count, ptr out, int is_bf16"),
     "kq_matmul": ("int", "ptr w, ptr x, ptr out, i64 tokens, int is_bf16, int num_threads, i64 tile_from"),
     "kq_pack": ("int", "ptr blocks, i64 row_stride, int qtype, ptr rows, i64 count, ptr out, i64 first_row, "
@@ -477,6 +478,13 @@ def has_kq_matmul() -> bool:
     """Whether kquant.c's integer kernel runs here (AVX-512 VNNI or AVX2, the library built)."""
     lib = library()
     return lib is not None and bool(lib.kq_supported())
+
+
+def int8_peak_gops(num_threads: int) -> float:
+    """The CPU's `vpdpbusd` rate alone on `num_threads` threads, in GOP/s: what the integer
+    kernel's prefill could reach at best (0.0 without AVX512-VNNI or the library)."""
+    lib = library()
+    return float(lib.int8_peak_gops(num_threads)) if lib is not None else 0.0
 
 
 def has_kq_tiles() -> bool:

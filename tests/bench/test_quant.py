@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from carpool.cli import main
 from carpool.model import cpu_kernels
 from tests.model.test_hf_folder import write_checkpoint
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def test_bench_quant_tiny(tmp_path, engine_fp32, capsys):
@@ -23,8 +33,17 @@ def test_bench_quant_tiny(tmp_path, engine_fp32, capsys):
     assert all(r[f"{k}_s"] > 0 for r in result["kernels"] for k in timed)
     assert set(result["single_stream"]) == {"none", "int4"}
     assert result["single_stream"]["int4"]["mode_in_use"] == "int4"
-    if cpu_kernels.has_quantized_matmul():  # the summary: prefill vs bf16, 16 tokens vs 1, per kernel
-        assert set(result["targets"]["int4 C"]) == {"prefill_256_vs_bf16", "batch16_vs_batch1_tokens_per_s"}
+    peak = result["int8_peak_gops"]
+    assert (peak > 0) == ("avx512_vnni" in cpu_flags())  # vpdpbusd's rate where the CPU has it
+    if cpu_kernels.has_quantized_matmul():  # the summary: prefill vs bf16, 16 tokens vs 1, rate, per kernel
+        summary = result["targets"]["int4 C"]
+        assert set(summary) == {"prefill_256_vs_bf16", "batch16_vs_batch1_tokens_per_s", "prefill_256_gops",
+                                *(["prefill_256_of_int8_peak"] if peak else [])}
+        at_256 = [r for r in result["kernels"] if r["tokens"] == 256]
+        ops = sum(2 * r["in"] * r["out"] * 256 for r in at_256)
+        assert summary["prefill_256_gops"] == pytest.approx(ops / sum(r["int4 C_s"] for r in at_256) / 1e9)
+        if peak:
+            assert summary["prefill_256_of_int8_peak"] == pytest.approx(summary["prefill_256_gops"] / peak)
     assert (out / "quant.png").stat().st_size > 0 and "| lm_head |" in (out / "quant.md").read_text()
 
 

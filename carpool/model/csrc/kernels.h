@@ -238,6 +238,8 @@ int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const ui
                            int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, int64_t amx_from);
 int kq_supported(void);
 int kq_gemm_supported(void);
+/* GOP/s of vpdpbusd alone on num_threads threads (0 without AVX512-VNNI): the integer kernel's bound. */
+float int8_peak_gops(int num_threads);
 void kq_rows(const KQuantWeight *w, const int64_t *rows, int64_t count, void *out, int is_bf16);
 /* Rows of a GGUF tensor's blocks into `out`'s packed arrays (written through, zeroed by the caller). */
 int kq_pack(const uint8_t *blocks, int64_t row_stride, int qtype, const int64_t *rows, int64_t count,

@@ -85,6 +85,43 @@ int kq_gemm_supported(void) {
 #endif
 }
 
+/* The CPU's integer multiply-add rate, the bound of the integer kernel's prefill: `vpdpbusd` on
+   zmm vectors in 12 independent chains (its latency hidden), on `num_threads` threads at once, in
+   GOP/s (a multiply-add is 2), the best of 3 passes; 0 without AVX512-VNNI. On a CPU that runs
+   AVX-512 on 256-bit units (AMD Zen 4) a zmm instruction is two halves: the rate counts what the
+   hardware delivers, whatever the width. */
+#ifdef KQ_AVX512
+static volatile int32_t peak_sink;  /* where the chains' results go, so that they are computed */
+#endif
+
+float int8_peak_gops(int num_threads) {
+#ifdef KQ_AVX512
+    const int64_t iters = 1 << 20;
+    double best = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        const double start = omp_get_wtime();
+        int32_t sink = 0;
+#pragma omp parallel num_threads(num_threads) reduction(^ : sink)
+        {
+            const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
+            __m512i c[12];
+            for (int i = 0; i < 12; i++) c[i] = _mm512_set1_epi32(i);  /* distinct: no chain folds into another */
+            for (int64_t it = 0; it < iters; it++)
+                for (int i = 0; i < 12; i++) c[i] = _mm512_dpbusd_epi32(c[i], a, b);
+            for (int i = 1; i < 12; i++) c[0] = _mm512_xor_si512(c[0], c[i]);
+            sink ^= _mm512_reduce_or_epi32(c[0]);
+        }
+        const double ops = 2.0 * 64 * 12 * (double)iters * num_threads, rate = ops / (omp_get_wtime() - start) / 1e9;
+        peak_sink = sink;
+        if (rate > best) best = rate;
+    }
+    return (float)best;
+#else
+    (void)num_threads;
+    return 0;
+#endif
+}
+
 static inline int64_t kq_groups(const KQuantWeight *w) { return w->k / KQ_GROUP; }
 
 /* Bytes of one group of one block: the 4-bit plane or the bytes, and the extra bit planes. */
