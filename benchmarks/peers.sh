@@ -89,6 +89,7 @@ for step in ${STEPS:-q4km-carpool q4km-llama q4km-carpool-fixed bf16-carpool bf1
     big-llama) llama_run big-llama "${BIG_GGUF:?set BIG_GGUF}" single ;;
     q4km-alternate) alternate q4km-alternate $Q4KM ;;
     bf16-alternate) alternate bf16-alternate $BF16 ;;
+    smol-alternate) alternate smol-alternate "$($PY -c 'from carpool.config import EngineConfig; print(EngineConfig().model)')" ;;
     bf16-carpool) carpool_run bf16-carpool $BF16 single ;;
     bf16-llama) llama_run bf16-llama $BF16 single ;;
     bf16-vllm) vllm_run bf16-vllm ${PEERS_OUT:?set PEERS_OUT to the folder with the 1B files}/llama1b single ;;
