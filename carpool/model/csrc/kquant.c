@@ -857,6 +857,26 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *con
         default: tile_tokens(tiles, stride, pairs, xp, 1, NB, out, n, t0, row0); break;            \
     }
 
+/* One token against stored tiles: a decode step's bf16 weights, streamed from memory. Each thread
+   reads its blocks in order, one sequential stream (block b + 1's tiles follow block b's), in four
+   chains of vdpbf16ps so that no load waits on the one before. On a Zen 4 this ran a 1B model's
+   decode 1.17x faster than the token tile loop (two blocks, one chain each) in one process, and
+   the two were equal where the memory read slowly; software prefetch made it slower. */
+static void stored_tiles1(const TileSource *src, const uint32_t *x, uint16_t *out, int num_threads) {
+    const int64_t n = src->n, k = src->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tile = (const uint8_t *)(src->stored + b * KQ_ROWS * k);
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t p = 0; p < pairs; p += 4)
+            for (int j = 0; j < 4; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(tile + (p + j) * 64),
+                                          (__m512bh)_mm512_set1_epi32((int)x[p + j]));
+        store16(out, b * KQ_ROWS, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                n - b * KQ_ROWS, 1);
+    }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_KQ_AMX 1
 #define AMX_TOKENS 16  /* rows of an A tile: tokens per tile product */
@@ -1045,6 +1065,10 @@ static int tile_matmul(const TileSource *src, const uint16_t *x, void *out, int6
         return amx_tile_matmul(src, x, out, tokens, num_threads);
 #endif
     (void)amx_from;
+    if (src->stored && tokens == 1) {
+        stored_tiles1(src, (const uint32_t *)x, out, num_threads);
+        return 1;
+    }
     const int64_t n = src->n, k = src->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
     const int64_t token_tiles = (tokens + GEMM_TOKENS - 1) / GEMM_TOKENS;
     const size_t per_thread = src->stored ? 64 : (size_t)pairs * 128;
