@@ -1,0 +1,84 @@
+"""Two builds of the C kernels side by side in one process: single-stream decodes alternated.
+
+    .venv/bin/python benchmarks/ab_kernels.py --base REV [--model M] [--quantization Q] [--rounds 30] [--tokens 16]
+
+On a host whose memory speed moves 20-40% from minute to minute, two runs of `carpool bench ...`
+minutes apart compare the minutes, not the kernels. Here the kernels of git revision REV and those
+of the working tree are each compiled (the flags `carpool.model.cpu_kernels` uses), an engine is
+loaded on each, and short greedy decodes run on one then the other, in turn, for many rounds.
+Each engine runs with its own library (looked up per call, or bound at load as the fused layers
+do). Prints each round and the median ratio, and writes them as JSON with --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+from carpool import LLM, SamplingParams
+from carpool.model import cpu_kernels
+
+CSRC = "carpool/model/csrc"
+
+
+def build_at(rev: str, into: Path) -> Path:
+    """The kernel library of `rev`'s csrc, compiled into `into`."""
+    archive = subprocess.run(["git", "archive", rev, CSRC], capture_output=True, check=True).stdout
+    tarfile.open(fileobj=BytesIO(archive)).extractall(into, filter="data")
+    csrc = into / CSRC
+    lib = into / "kernels.so"
+    cmd = [*cpu_kernels.COMPILE_FLAGS, f"-I{csrc}", *map(str, sorted(csrc.glob("*.c"))), *cpu_kernels.LINK_FLAGS]
+    subprocess.run(["cc", *cmd, "-o", str(lib)], check=True)
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
+    ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=16, help="greedy tokens a stream, after a 12-token prompt")
+    ap.add_argument("--output", type=Path)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": cpu_kernels.load(build_at(args.base, Path(tmp))), "tree": cpu_kernels.load(cpu_kernels.build())}
+    engines, active = {}, ["base"]
+    cpu_kernels.library = lambda: libs[active[0]]
+    for name in libs:
+        active[0] = name
+        engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory=256 << 20)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 112))}
+    ms, ids = {name: [] for name in libs}, {}
+    for name in libs:
+        active[0] = name
+        engines[name].generate([prompt], params, use_tqdm=False)  # warm
+    for r in range(args.rounds):
+        for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
+            active[0] = name
+            start = time.perf_counter()
+            out = engines[name].generate([prompt], params, use_tqdm=False)
+            ms[name].append((time.perf_counter() - start) / args.tokens * 1e3)
+            ids[name] = out[0].outputs[0].token_ids
+        print(f"round {r}: base {ms['base'][-1]:.2f} ms/token, tree {ms['tree'][-1]:.2f}", flush=True)
+    ratios = [b / t for b, t in zip(ms["base"], ms["tree"])]
+    result = {"base": args.base, "model": args.model, "quantization": args.quantization, "tokens": args.tokens,
+              "ms_per_token": ms, "base_over_tree": ratios, "median": statistics.median(ratios),
+              "same_tokens": ids["base"] == ids["tree"]}
+    print(f"base/tree: median {result['median']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), "
+          f"same tokens: {result['same_tokens']}")
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
