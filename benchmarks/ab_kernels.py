@@ -55,7 +55,7 @@ def main() -> None:
     cpu_kernels.library = lambda: libs[active[0]]
     for name in libs:
         active[0] = name
-        engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory=256 << 20)
+        engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory="256MiB")
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(100, 112))}
     ms, ids = {name: [] for name in libs}, {}

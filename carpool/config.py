@@ -207,9 +207,10 @@ def parse_memory(text: str) -> int:
     """'2GiB', '512MB', '1e9' -> bytes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     s = text.strip().lower().replace("ib", "").replace("b", "")
-    if s and s[-1] in units:
-        return int(float(s[:-1]) * units[s[-1]])
-    return int(float(s))
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(float(s))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size in bytes, such as 2GiB, 512MB or 1e9") from None
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # as carpool/spec/proposers.py
@@ -403,6 +404,8 @@ class EngineConfig:
                 raise ValueError(f"{what} must be a positive number of ms, or 0 for the fixed budget; got {ms}")
         if self.target_tbt_ms and self.scheduler != "sarathi":
             raise ValueError(f"target_tbt_ms sizes sarathi's chunks; scheduler {self.scheduler!r} has none")
+        if isinstance(self.kv_cache_memory, str):  # as on the command line: LLM(kv_cache_memory="2GiB")
+            self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.tensor_parallel_size < 1:

@@ -160,6 +160,12 @@ def test_engine_arguments_are_mapped_or_ignored_with_a_warning(caplog):
     assert any("swap_space" in m for m in caplog.messages) and any("no_such_argument" in m for m in caplog.messages)
 
 
+def test_kv_cache_memory_takes_the_command_lines_sizes():
+    assert engine_config("m.gguf", kv_cache_memory="256MiB").kv_cache_memory == 256 << 20
+    with pytest.raises(ValueError, match="not a size in bytes"):
+        engine_config("m.gguf", kv_cache_memory="lots")
+
+
 REPEATING = ", ".join(map(str, range(1, 41))) + "\n" + ", ".join(map(str, range(1, 21))) + ","
 
 
