@@ -859,9 +859,10 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *con
 
 /* One token against stored tiles: a decode step's bf16 weights, streamed from memory. Each thread
    reads its blocks in order, one sequential stream (block b + 1's tiles follow block b's), in four
-   chains of vdpbf16ps so that no load waits on the one before. On a Zen 4 this ran a 1B model's
-   decode 1.17x faster than the token tile loop (two blocks, one chain each) in one process, and
-   the two were equal where the memory read slowly; software prefetch made it slower. */
+   chains of vdpbf16ps so that no load waits on the one before (k is a multiple of 32, so the
+   pairs come in fours). On a Zen 4 a 1B model's bf16 decode ran a median 1.18x faster than on
+   the token tile loop (two blocks, one chain each), alternated in one process
+   (benchmarks/ab_kernels.py); software prefetch made it slower. */
 static void stored_tiles1(const TileSource *src, const uint32_t *x, uint16_t *out, int num_threads) {
     const int64_t n = src->n, k = src->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
