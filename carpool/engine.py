@@ -341,7 +341,7 @@ class LLMEngine:
                  and r.grammar is None]
         if not plain:
             return {}
-        best, tokens = logits[[rows[i] + p for i in plain for p in range(1, 1 + len(drafts[i]))]].float().max(dim=-1)
+        best, tokens = cpu_kernels.row_max(logits[[rows[i] + p for i in plain for p in range(1, 1 + len(drafts[i]))]].float())
         found = iter(t if ok else None for t, ok in zip(tokens.tolist(), (best < float("inf")).tolist()))
         return {i: [next(found) for _ in drafts[i]] for i in plain}
 

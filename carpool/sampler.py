@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from carpool.model.cpu_kernels import row_max
 from carpool.outputs import Logprob
 from carpool.request import Request
 from carpool.structured.masks import GrammarMasks
@@ -108,7 +109,7 @@ class Sampler:
             errors[i] = f"{NO_ALLOWED_TOKEN} (min_tokens, logit_bias, allowed_token_ids or bad_words exclude them all)"
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
         # max propagates NaN, so one reduction finds both, and the greedy tokens with them.
-        best, tokens = logits.max(dim=-1)
+        best, tokens = row_max(logits)
         for i in torch.nonzero(~(best < float("inf"))).flatten().tolist():
             errors[i] = BAD_LOGITS
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]

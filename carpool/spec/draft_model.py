@@ -17,6 +17,7 @@ from pathlib import Path
 from carpool.config import SpeculativeConfig, default_kv_cache_memory
 from carpool.core.block_manager import BlockManager
 from carpool.core.scheduler import ScheduledBatch
+from carpool.model import cpu_kernels
 from carpool.model.loader import is_gguf, load_model, load_model_config, open_gguf, resolve_model_path
 from carpool.model_runner import ModelRunner, kv_bytes_per_token
 from carpool.request import Request
@@ -160,4 +161,4 @@ class DraftModelProposer:
             shadow.num_computed_tokens += n
             if shadow.num_computed_tokens == shadow.num_tokens:
                 ready.append(shadow)
-        return list(zip(ready, logits.argmax(dim=-1).tolist()))
+        return list(zip(ready, cpu_kernels.row_max(logits)[1].tolist()))

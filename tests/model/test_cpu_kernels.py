@@ -165,6 +165,37 @@ def test_silu_mul_matches_torch(rows):
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
 
 
+# Few distinct values, so rows tie; NaN and the infinities where the sampler must see them.
+_LOGITS = st.sampled_from([-2.5, -1.0, 0.0, 1.5, 3.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(num_rows=st.integers(1, 5), width=st.integers(1, 70), values=st.lists(_LOGITS, min_size=350, max_size=350),
+       common=st.sampled_from([-2.5, 0.0, 3.0]))
+def test_row_max_equals_torch_max_with_ties_nans_and_infinities(num_rows, width, values, common):
+    # Two in three entries one common value (ties everywhere), the rest drawn: torch's first index.
+    x = torch.tensor([common if i % 3 else v for i, v in enumerate(values[:num_rows * width])]).view(num_rows, width)
+    got, want = cpu_kernels.row_max(x), x.max(dim=-1)
+    assert torch.equal(got[1], want.indices)
+    torch.testing.assert_close(got[0], want.values, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49155])
+def test_row_max_finds_the_first_maximum_at_every_position(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, vocab, generator=gen)
+    for at in {0, vocab // 2, vocab - 1}:
+        y = x.clone()
+        y[:, at] = 10.0
+        y[1, -1] = 10.0  # a tie after it: the first stays
+        y[2, at // 2] = float("nan")  # NaN before or at it
+        values, indices = cpu_kernels.row_max(y)
+        assert indices.tolist() == y.max(dim=-1).indices.tolist()
+        assert values[0] == 10.0 and values[2].isnan()
+    strided = x[:, ::2]  # not contiguous: copied first
+    assert torch.equal(cpu_kernels.row_max(strided)[1], strided.max(dim=-1).indices)
+
+
 def test_only_eager_bf16_on_cpu_fuses():
     assert cpu_kernels.fuses(torch.zeros(2, dtype=torch.bfloat16))
     assert not cpu_kernels.fuses(torch.zeros(2))  # fp32: torch's ops, the reference arithmetic
