@@ -29,7 +29,7 @@ CSRC = "carpool/model/csrc"
 
 
 def build_at(rev: str, into: Path) -> Path:
-    """The kernel library of `rev`'s csrc, compiled into `into`."""
+    """The kernel library of `rev`'s csrc, compiled into `into` (its kernels.h beside it)."""
     archive = subprocess.run(["git", "archive", rev, CSRC], capture_output=True, check=True).stdout
     tarfile.open(fileobj=BytesIO(archive)).extractall(into, filter="data")
     csrc = into / CSRC
@@ -50,7 +50,13 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": cpu_kernels.load(build_at(args.base, Path(tmp))), "tree": cpu_kernels.load(cpu_kernels.build())}
+        base = build_at(args.base, Path(tmp))
+        # Typed by its own header: REV may lack an entry point the tree added (one the tree's C
+        # calls, not its Python), and the tree's table would refuse it.
+        header = Path(tmp) / CSRC / "kernels.h"
+        own = {name: (sig.returns, ", ".join(" ".join(arg) for arg in sig.args))
+               for name, sig in cpu_kernels.header_prototypes(header.read_text()).items()}
+        libs = {"base": cpu_kernels.load(base, own, header), "tree": cpu_kernels.load(cpu_kernels.build())}
     engines, active = {}, ["base"]
     cpu_kernels.library = lambda: libs[active[0]]
     for name in libs:

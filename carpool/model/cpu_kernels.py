@@ -69,6 +69,8 @@ KERNELS: dict[str, tuple[str, str]] = {
                                 "int is_bf16, int num_threads"),
     "quantized_matmul_using": ("int", "ptr codes, ptr scale, ptr min, ptr x, ptr out, i64 tokens, i64 k, i64 n, "
                                       "int is_bf16, int num_threads, i64 amx_from"),
+    "quantized_matmul_then": ("int", "ptr codes, ptr scale, ptr min, ptr x, ptr out, i64 tokens, i64 k, i64 n, "
+                                     "int is_bf16, int num_threads, ptr next"),
     "kq_supported": ("int", ""),
     "kq_gemm_supported": ("int", ""),
     "int8_peak_gops": ("f32", "int num_threads"),

@@ -13,13 +13,29 @@
 
 #include "kernels.h"
 
+#define PREFETCH_NEXT_TOKENS 8  /* up to this many tokens a product streams its weights (quantized_matmul_then) */
+
+/* Whether w runs kquant.c's tiles at this many tokens, rather than the int4/int8 kernel. */
+static inline int uses_tiles(const QuantizedWeight *w, int64_t tokens) {
+    return w->tiles && (!w->codes || (w->tile_from > 0 && tokens >= w->tile_from));
+}
+
 /* y[tokens, n] = x @ W.T (+ bias, rounded after the product, as torch's `y + bias`), by the
-   kernel QuantizedLinear.forward picks for this many tokens. */
+   kernel QuantizedLinear.forward picks for this many tokens. `next` (k_next x n_next, or NULL):
+   the product after this one, whose first lines the threads prefetch where both run the int4/int8
+   kernel at a decode's few tokens. */
 static int linear(const QuantizedWeight *w, const uint16_t *x, uint16_t *y, int64_t tokens, int64_t k, int64_t n,
-                  int num_threads) {
-    const int tiles = w->tiles && (!w->codes || (w->tile_from > 0 && tokens >= w->tile_from));
-    if (tiles ? !kq_matmul(w->tiles, x, y, tokens, 1, num_threads, w->tile_from)
-              : !quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads)) return 0;
+                  int num_threads, const QuantizedWeight *next, int64_t k_next, int64_t n_next) {
+    int ok;
+    if (uses_tiles(w, tokens)) {
+        ok = kq_matmul(w->tiles, x, y, tokens, 1, num_threads, w->tile_from);
+    } else if (next && tokens <= PREFETCH_NEXT_TOKENS && !uses_tiles(next, tokens)) {
+        const NextWeight then = {next->codes, next->scale, next->min, k_next, n_next};
+        ok = quantized_matmul_then(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads, &then);
+    } else {
+        ok = quantized_matmul(w->codes, w->scale, w->min, x, y, tokens, k, n, 1, num_threads);
+    }
+    if (!ok) return 0;
     if (w->bias)
         for (int64_t i = 0; i < tokens * n; i++) y[i] = float_to_bf16(bf16_to_float(y[i]) + bf16_to_float(w->bias[i % n]));
     return 1;
@@ -50,7 +66,7 @@ int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const De
         const DecoderLayerWeights *w = layers + i;
         uint16_t *k_cache = kv_cache + 2 * i * cache_half, *v_cache = k_cache + cache_half;
         rms_norm_bf16(stream, i ? delta : NULL, i ? out : NULL, normed, w->input_norm, tokens, hidden, shape->eps);
-        ok = linear(&w->qkv, normed, wide, tokens, hidden, qkv_width, num_threads);
+        ok = linear(&w->qkv, normed, wide, tokens, hidden, qkv_width, num_threads, &w->o, q_size, hidden);
         if (!ok) break;
         rope_bf16(wide, tokens, qkv_width, shape->num_heads + shape->num_kv_heads, dim, cos, sin);
         ok = paged_attention_runs(wide, qkv_width, narrow, q_size, k_cache, v_cache, block_tables, table_width,
@@ -58,14 +74,15 @@ int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const De
                                   shape->num_kv_heads, dim, shape->block_size, shape->scale, 1, num_threads,
                                   wide + q_size, qkv_width, wide + q_size + kv_size, qkv_width, slots);
         if (!ok) break;
-        ok = linear(&w->o, narrow, delta, tokens, q_size, hidden, num_threads);
+        ok = linear(&w->o, narrow, delta, tokens, q_size, hidden, num_threads, &w->gate_up, hidden, 2 * inter);
         if (!ok) break;
         rms_norm_bf16(stream, delta, out, normed, w->post_attention_norm, tokens, hidden, shape->eps);
         stream = out;
-        ok = linear(&w->gate_up, normed, wide, tokens, hidden, 2 * inter, num_threads);
+        ok = linear(&w->gate_up, normed, wide, tokens, hidden, 2 * inter, num_threads, &w->down, inter, hidden);
         if (!ok) break;
         silu_mul_bf16(wide, narrow, tokens, inter);
-        ok = linear(&w->down, narrow, delta, tokens, inter, hidden, num_threads);
+        ok = linear(&w->down, narrow, delta, tokens, inter, hidden, num_threads,
+                    i + 1 < num_layers ? &w[1].qkv : NULL, hidden, qkv_width);
     }
     if (ok && final_norm) {
         rms_norm_bf16(out, delta, out, out, final_norm, tokens, hidden, shape->eps);

@@ -217,6 +217,13 @@ typedef struct {
     int64_t tile_from;
 } QuantizedWeight;
 
+/* The int4/int8 weight a step multiplies next (see quantized_matmul_then). */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scale, *min;
+    int64_t k, n;
+} NextWeight;
+
 typedef struct {
     const uint16_t *input_norm, *post_attention_norm;
     QuantizedWeight qkv, o, gate_up, down;
@@ -236,6 +243,8 @@ int quantized_matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t
                      int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads);
 int quantized_matmul_using(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
                            int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, int64_t amx_from);
+int quantized_matmul_then(const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const void *x, void *out,
+                          int64_t tokens, int64_t k, int64_t n, int is_bf16, int num_threads, const NextWeight *next);
 int kq_supported(void);
 int kq_gemm_supported(void);
 /* GOP/s of vpdpbusd alone on num_threads threads (0 without AVX512-VNNI): the integer kernel's bound. */
