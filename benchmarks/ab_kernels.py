@@ -1,11 +1,13 @@
 """Two builds of the C kernels side by side in one process: single-stream decodes alternated.
 
     .venv/bin/python benchmarks/ab_kernels.py --base REV [--model M] [--quantization Q] [--rounds 30] [--tokens 16]
+        [--streams 1]
 
 On a host whose memory speed moves 20-40% from minute to minute, two runs of `carpool bench ...`
 minutes apart compare the minutes, not the kernels. Here the kernels of git revision REV and those
 of the working tree are each compiled (the flags `carpool.model.cpu_kernels` uses), an engine is
-loaded on each, and short greedy decodes run on one then the other, in turn, for many rounds.
+loaded on each, and short greedy decodes run on one then the other, in turn, for many rounds
+(`--streams` at once: steps of that many tokens).
 Each engine runs with its own library (looked up per call, or bound at load as the fused layers
 do). Prints each round and the median ratio, and writes them as JSON with --output.
 """
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens a stream, after a 12-token prompt")
+    ap.add_argument("--streams", type=int, default=1, help="greedy streams decoding together")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
 
@@ -63,21 +66,22 @@ def main() -> None:
         active[0] = name
         engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory="256MiB")
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 112))}
+    prompts = [{"prompt_token_ids": list(range(100 + i, 112 + i))} for i in range(args.streams)]
     ms, ids = {name: [] for name in libs}, {}
     for name in libs:
         active[0] = name
-        engines[name].generate([prompt], params, use_tqdm=False)  # warm
+        engines[name].generate(prompts, params, use_tqdm=False)  # warm
     for r in range(args.rounds):
         for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
             active[0] = name
             start = time.perf_counter()
-            out = engines[name].generate([prompt], params, use_tqdm=False)
+            out = engines[name].generate(prompts, params, use_tqdm=False)
             ms[name].append((time.perf_counter() - start) / args.tokens * 1e3)
-            ids[name] = out[0].outputs[0].token_ids
-        print(f"round {r}: base {ms['base'][-1]:.2f} ms/token, tree {ms['tree'][-1]:.2f}", flush=True)
+            ids[name] = [o.outputs[0].token_ids for o in out]
+        print(f"round {r}: base {ms['base'][-1]:.2f} ms a step, tree {ms['tree'][-1]:.2f}", flush=True)
     ratios = [b / t for b, t in zip(ms["base"], ms["tree"])]
     result = {"base": args.base, "model": args.model, "quantization": args.quantization, "tokens": args.tokens,
+              "streams": args.streams,
               "ms_per_token": ms, "base_over_tree": ratios, "median": statistics.median(ratios),
               "same_tokens": ids["base"] == ids["tree"]}
     print(f"base/tree: median {result['median']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), "

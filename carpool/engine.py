@@ -292,8 +292,8 @@ class LLMEngine:
         while active:
             sampled = [i for i in active if position == 0 or i not in argmax]
             results = dict(zip(sampled, zip(*self.sampler(
-                logits[[rows[i] + position for i in sampled]], [ready[i] for i in sampled],
-                grammar if position == 0 else None)))) if sampled else {}
+                logits, [ready[i] for i in sampled], grammar if position == 0 else None,
+                [rows[i] + position for i in sampled])))) if sampled else {}
             going = []
             for i in active:
                 request = ready[i]
@@ -341,7 +341,7 @@ class LLMEngine:
                  and r.grammar is None]
         if not plain:
             return {}
-        best, tokens = cpu_kernels.row_max(logits[[rows[i] + p for i in plain for p in range(1, 1 + len(drafts[i]))]].float())
+        best, tokens = cpu_kernels.row_max(logits.float(), [rows[i] + p for i in plain for p in range(1, 1 + len(drafts[i]))])
         found = iter(t if ok else None for t, ok in zip(tokens.tolist(), (best < float("inf")).tolist()))
         return {i: [next(found) for _ in drafts[i]] for i in plain}
 

@@ -90,16 +90,22 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMasks | None = None
+    def __call__(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMasks | None = None,
+                 rows: list[int] | None = None
                  ) -> tuple[list[int | None], list[dict[int, Logprob] | None], list[str | None]]:
-        """Returns per row: the token (None if the row failed), its logprobs entry, and the
-        error of a failed row. `grammar` holds the allowed tokens of constrained rows (applied
-        last, so that nothing re-allows a token the grammar forbids)."""
+        """Returns per request: the token (None if its row failed), its logprobs entry, and the
+        error of a failed row. `rows`: each request's row of `logits` (None: row i for request i);
+        greedy rows are read in place, the others gathered. `grammar` holds the allowed tokens of
+        constrained rows (applied last, so that nothing re-allows a token the grammar forbids).
+        The caller's logits stay as they came."""
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+        edits = grammar is not None or any(r.sampling_params.edits_logits for r in requests)
+        if rows is not None and (edits or any(want_logprobs)):
+            logits, rows = logits[rows], None
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-        if grammar is not None or any(r.sampling_params.edits_logits for r in requests):
-            logits = logits.clone()  # edited below; the caller's logits stay as they came
+        if edits:
+            logits = logits.clone()
             apply_penalties(logits, requests)
             apply_token_controls(logits, requests)
             mask_stops_before_min_tokens(logits, requests)
@@ -109,20 +115,20 @@ class Sampler:
             errors[i] = f"{NO_ALLOWED_TOKEN} (min_tokens, logit_bias, allowed_token_ids or bad_words exclude them all)"
         # +inf or NaN anywhere poisons argmax and softmax alike (-inf is a banned token: fine).
         # max propagates NaN, so one reduction finds both, and the greedy tokens with them.
-        best, tokens = row_max(logits)
+        best, tokens = row_max(logits, rows)
         for i in torch.nonzero(~(best < float("inf"))).flatten().tolist():
             errors[i] = BAD_LOGITS
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and errors[i] is None]
         if random_rows:
             params = [requests[i].sampling_params for i in random_rows]
-            rows = logits[random_rows] / torch.tensor([p.temperature for p in params])[:, None]
-            rows = filter_top_k_top_p_min_p(
-                rows,
+            picked = logits[random_rows if rows is None else [rows[i] for i in random_rows]]
+            scaled = filter_top_k_top_p_min_p(
+                picked / torch.tensor([p.temperature for p in params])[:, None],
                 torch.tensor([min(p.top_k, logits.shape[-1]) for p in params]),  # any k past the vocabulary keeps it all
                 torch.tensor([p.top_p for p in params]),
                 torch.tensor([p.min_p for p in params]),
             )
-            probs = rows.softmax(dim=-1)
+            probs = scaled.softmax(dim=-1)
             bad_probs = (~torch.isfinite(probs).all(-1)).tolist()
             for j, i in enumerate(random_rows):
                 if bad_probs[j]:

@@ -62,6 +62,21 @@ def test_top_k_one_equals_greedy(seed):
         assert kept(out[i]) == {int(logits[i].argmax())}
 
 
+@settings(max_examples=examples(30), deadline=None)
+@given(seed=st.integers(0, 10_000), picked=st.lists(st.integers(0, 7), min_size=1, max_size=5),
+       kinds=st.lists(st.sampled_from(["greedy", "random", "logprobs", "penalty"]), min_size=5, max_size=5))
+def test_rows_picked_in_place_sample_as_the_gathered_rows(seed, picked, kinds):
+    # The engine hands the sampler the step's logits and each request's row in them.
+    logits = random_logits(8, seed=seed)
+    params = {"greedy": {"temperature": 0.0}, "random": {"temperature": 0.8, "top_k": 5, "seed": 7},
+              "logprobs": {"temperature": 0.0, "logprobs": 2}, "penalty": {"repetition_penalty": 1.3}}
+    def requests():
+        return [req(f"r{i}", output=(4,), **params[kind]) for i, kind in enumerate(kinds[:len(picked)])]
+    copy = logits.clone()
+    assert Sampler(seed=3)(logits, requests(), rows=picked) == Sampler(seed=3)(logits[picked], requests())
+    assert torch.equal(logits, copy)
+
+
 def test_sampler_does_not_modify_input_logits():
     logits = random_logits(2)
     copy = logits.clone()

@@ -95,7 +95,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "rms_norm_bf16": ("void", "ptr x, ptr delta, ptr x_out, ptr out, ptr weight, i64 rows, i64 dim, f32 eps"),
     "rope_bf16": ("void", "ptr qk, i64 rows, i64 row_stride, i64 heads, i64 dim, ptr cos, ptr sin"),
     "silu_mul_bf16": ("void", "ptr gate_up, ptr out, i64 rows, i64 inter"),
-    "row_max": ("void", "ptr x, i64 rows, i64 n, ptr values, ptr indices, int num_threads"),
+    "row_max": ("void", "ptr x, ptr rows, i64 count, i64 n, ptr values, ptr indices, int num_threads"),
     "fused_layers": ("int", "ptr layers, i64 num_layers, ptr shape, ptr x, ptr out, ptr final_norm, i64 tokens, "
                             "ptr cos, ptr sin, ptr kv_cache, i64 cache_slots, ptr block_tables, i64 table_width, "
                             "ptr context_lens, ptr query_starts, i64 num_runs, ptr slots, int num_threads"),
@@ -427,16 +427,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.max(dim=-1) of [rows, n] logits, values and indices alike: the first index of each row's
-    maximum, NaN where the row holds one (csrc/row_max.c, ~40x torch's reduction at a 49k
-    vocabulary). Tensors the kernel does not take (not fp32 on the CPU, no columns) go to torch."""
+def row_max(x: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[rows].max(dim=-1) of [?, n] logits (rows None: all), values and indices alike: the first
+    index of each row's maximum, NaN where the row holds one (csrc/row_max.c, which reads the rows
+    in place: ~10x torch's reduction at a 49k vocabulary, and no gathered copy). Tensors the kernel
+    does not take (not fp32 on the CPU, no columns) go to torch."""
     lib = library()
     if lib is None or not (x.is_cpu and x.dtype is _F32 and x.dim() == 2 and x.shape[1] > 0):
-        return x.max(dim=-1)
+        return (x if rows is None else x[rows]).max(dim=-1)
     x = x.contiguous()
-    values, indices = x.new_empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.int64)
-    lib.row_max(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), indices.data_ptr(), torch.get_num_threads())
+    count = x.shape[0] if rows is None else len(rows)
+    picked = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+    if picked is not None and count and not (0 <= int(picked.min()) and int(picked.max()) < x.shape[0]):
+        raise IndexError(f"row_max: rows {rows} out of range for {x.shape[0]} rows")
+    values, indices = x.new_empty(count), torch.empty(count, dtype=torch.int64)
+    lib.row_max(x.data_ptr(), None if picked is None else picked.data_ptr(), count, x.shape[1], values.data_ptr(),
+                indices.data_ptr(), torch.get_num_threads())
     return values, indices
 
 

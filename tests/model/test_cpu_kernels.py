@@ -194,6 +194,10 @@ def test_row_max_finds_the_first_maximum_at_every_position(vocab):
         assert values[0] == 10.0 and values[2].isnan()
     strided = x[:, ::2]  # not contiguous: copied first
     assert torch.equal(cpu_kernels.row_max(strided)[1], strided.max(dim=-1).indices)
+    picked = [2, 0, 2]  # rows read in place, in any order and more than once
+    assert torch.equal(cpu_kernels.row_max(y, picked)[1], y[picked].max(dim=-1).indices)
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_kernels.row_max(y, [3])
 
 
 def test_only_eager_bf16_on_cpu_fuses():

@@ -278,7 +278,8 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *x_out, ui
 void rope_bf16(uint16_t *qk, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
                const uint16_t *cos, const uint16_t *sin);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
-void row_max(const float *x, int64_t rows, int64_t n, float *values, int64_t *indices, int num_threads);
+void row_max(const float *x, const int64_t *rows, int64_t count, int64_t n, float *values, int64_t *indices,
+             int num_threads);
 int fused_layers(const DecoderLayerWeights *layers, int64_t num_layers, const DecoderShape *shape,
                  const uint16_t *x, uint16_t *out, const uint16_t *final_norm, int64_t tokens,
                  const uint16_t *cos, const uint16_t *sin, uint16_t *kv_cache, int64_t cache_slots,

@@ -100,10 +100,14 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
     return 1;
 }
 
+#ifndef VNNI_TILE
+#define VNNI_TILE 8  /* tokens per pass of the VNNI kernel over a block */
+#endif
+
 /* The integer dot products of 16 rows with one group of `tn` tokens (tn constant where inlined):
    w[0..7] hold the group's 8 channel quads, start[t] the accumulator's first value. */
 static inline __attribute__((always_inline)) void group_dots(
-        const __m512i w[8], const int8_t *xq, int64_t k, const int tn, const __m512i start[TILE], __m512i dot[TILE]) {
+        const __m512i w[8], const int8_t *xq, int64_t k, const int tn, const __m512i start[VNNI_TILE], __m512i dot[VNNI_TILE]) {
     for (int t = 0; t < tn; t++) {
         const int8_t *x = xq + t * k;
         __m512i d0 = start[t], d1 = _mm512_setzero_si512();  /* two chains: half the latency */
@@ -118,13 +122,13 @@ static inline __attribute__((always_inline)) void group_dots(
 /* One block of 16 rows of an int4 weight against `tn` tokens from t0. */
 static inline __attribute__((always_inline)) void int4_block(
         const uint8_t *codes, const uint16_t *scale, const uint16_t *min, const Activations *a,
-        int64_t k, int64_t t0, const int tn, __m512 acc[TILE]) {
+        int64_t k, int64_t t0, const int tn, __m512 acc[VNNI_TILE]) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
         const uint8_t *packed = codes + g * 256;
         for (int j = 0; j < 4; j++) _mm_prefetch((const char *)packed + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
-        __m512i w[8], start[TILE], dot[TILE];
+        __m512i w[8], start[VNNI_TILE], dot[VNNI_TILE];
         for (int j = 0; j < 4; j++) {
             const __m512i p = _mm512_loadu_si512(packed + j * 64);
             w[j] = _mm512_and_si512(p, nibble);
@@ -146,10 +150,10 @@ static inline __attribute__((always_inline)) void int4_block(
 /* One block of 16 rows of an int8 weight (codes + 128) against `tn` tokens from t0. */
 static inline __attribute__((always_inline)) void int8_block(
         const uint8_t *codes, const uint16_t *scale, const Activations *a, int64_t k, int64_t t0, const int tn,
-        __m512 acc[TILE]) {
+        __m512 acc[VNNI_TILE]) {
     for (int t = 0; t < tn; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < a->groups; g++) {
-        __m512i w[8], start[TILE], dot[TILE];
+        __m512i w[8], start[VNNI_TILE], dot[VNNI_TILE];
         for (int j = 0; j < 8; j++) {
             _mm_prefetch((const char *)codes + g * 512 + PREFETCH_AHEAD + j * 64, _MM_HINT_T0);
             w[j] = _mm512_loadu_si512(codes + g * 512 + j * 64);
@@ -165,13 +169,19 @@ static inline __attribute__((always_inline)) void int8_block(
 }
 
 #define FOR_EACH_TILE(BLOCK, from)                                                        \
-    for (int64_t t0 = (from); t0 < tokens; t0 += TILE) {                                  \
-        __m512 acc[TILE];                                                                 \
-        const int64_t tn = tokens - t0 < TILE ? tokens - t0 : TILE;                       \
-        if (tn == 4) BLOCK(4);                                                            \
-        else if (tn == 3) BLOCK(3);                                                       \
-        else if (tn == 2) BLOCK(2);                                                       \
-        else BLOCK(1);                                                                    \
+    for (int64_t t0 = (from); t0 < tokens; t0 += VNNI_TILE) {                                  \
+        __m512 acc[VNNI_TILE];                                                                 \
+        const int64_t tn = tokens - t0 < VNNI_TILE ? tokens - t0 : VNNI_TILE;                       \
+        switch (tn) {                                                                     \
+            case 8: BLOCK(8); break;                                                      \
+            case 7: BLOCK(7); break;                                                      \
+            case 6: BLOCK(6); break;                                                      \
+            case 5: BLOCK(5); break;                                                      \
+            case 4: BLOCK(4); break;                                                      \
+            case 3: BLOCK(3); break;                                                      \
+            case 2: BLOCK(2); break;                                                      \
+            default: BLOCK(1); break;                                                     \
+        }                                                                                 \
         for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * ROWS, acc[t], n - b * ROWS, is_bf16); \
     }
 

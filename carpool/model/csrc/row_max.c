@@ -110,7 +110,10 @@ static void max_of_row(const float *x, int64_t n, float *value, int64_t *index) 
     *value = best, *index = at;
 }
 
-void row_max(const float *x, int64_t rows, int64_t n, float *values, int64_t *indices, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) max_of_row(x + r * n, n, values + r, indices + r);
+/* Rows rows[0..count-1] of x [?, n] (rows NULL: rows 0..count-1): the row picked in place, where
+   torch would gather a copy first. */
+void row_max(const float *x, const int64_t *rows, int64_t count, int64_t n, float *values, int64_t *indices,
+             int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 1)
+    for (int64_t r = 0; r < count; r++) max_of_row(x + (rows ? rows[r] : r) * n, n, values + r, indices + r);
 }
