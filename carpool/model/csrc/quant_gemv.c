@@ -42,7 +42,7 @@
 
 #define GROUP 32
 #define ROWS 16 /* output rows per block: one zmm lane each */
-#define TILE 4  /* tokens per pass over a block: their accumulators stay in registers */
+#define TILE 4  /* AVX2: tokens per pass over a block, their accumulators in registers */
 
 #define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
 #ifndef AMX_FROM_TOKENS
@@ -101,8 +101,10 @@ static int quantize_activations(const void *x, int is_bf16, int64_t tokens, int6
 }
 
 #ifndef VNNI_TILE
-#define VNNI_TILE 8  /* tokens per pass of the VNNI kernel over a block */
+#define VNNI_TILE 8  /* AVX-512: tokens per pass over a block, each unpacking of its codes serving 8
+                        (4: steps of 16 tokens 1.03-1.04x slower, Zen 4; BENCHMARKS.md "Kernels") */
 #endif
+_Static_assert(VNNI_TILE >= 1 && VNNI_TILE <= 8, "FOR_EACH_TILE has cases for up to 8 tokens");
 
 /* The integer dot products of 16 rows with one group of `tn` tokens (tn constant where inlined):
    w[0..7] hold the group's 8 channel quads, start[t] the accumulator's first value. */
@@ -168,20 +170,20 @@ static inline __attribute__((always_inline)) void int8_block(
     }
 }
 
-#define FOR_EACH_TILE(BLOCK, from)                                                        \
-    for (int64_t t0 = (from); t0 < tokens; t0 += VNNI_TILE) {                                  \
-        __m512 acc[VNNI_TILE];                                                                 \
-        const int64_t tn = tokens - t0 < VNNI_TILE ? tokens - t0 : VNNI_TILE;                       \
-        switch (tn) {                                                                     \
-            case 8: BLOCK(8); break;                                                      \
-            case 7: BLOCK(7); break;                                                      \
-            case 6: BLOCK(6); break;                                                      \
-            case 5: BLOCK(5); break;                                                      \
-            case 4: BLOCK(4); break;                                                      \
-            case 3: BLOCK(3); break;                                                      \
-            case 2: BLOCK(2); break;                                                      \
-            default: BLOCK(1); break;                                                     \
-        }                                                                                 \
+#define FOR_EACH_TILE(BLOCK, from)                                                    \
+    for (int64_t t0 = (from); t0 < tokens; t0 += VNNI_TILE) {                         \
+        __m512 acc[VNNI_TILE];                                                        \
+        const int64_t tn = tokens - t0 < VNNI_TILE ? tokens - t0 : VNNI_TILE;         \
+        switch (tn) {                                                                 \
+            case 8: BLOCK(8); break;                                                  \
+            case 7: BLOCK(7); break;                                                  \
+            case 6: BLOCK(6); break;                                                  \
+            case 5: BLOCK(5); break;                                                  \
+            case 4: BLOCK(4); break;                                                  \
+            case 3: BLOCK(3); break;                                                  \
+            case 2: BLOCK(2); break;                                                  \
+            default: BLOCK(1); break;                                                 \
+        }                                                                             \
         for (int64_t t = 0; t < tn; t++) store16(out, (t0 + t) * n + b * ROWS, acc[t], n - b * ROWS, is_bf16); \
     }
 
