@@ -429,9 +429,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def row_max(x: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x[rows].max(dim=-1) of [?, n] logits (rows None: all), values and indices alike: the first
-    index of each row's maximum, NaN where the row holds one (csrc/row_max.c, which reads the rows
-    in place: ~10x torch's reduction at a 49k vocabulary, and no gathered copy). Tensors the kernel
-    does not take (not fp32 on the CPU, no columns) go to torch."""
+    index of each row's maximum, NaN where the row holds one (csrc/row_max.c: 2-4x faster than
+    torch's reduction in a decode step, and the rows read in place, not gathered). Tensors the
+    kernel does not take (not fp32 on the CPU, no columns) go to torch."""
     lib = library()
     if lib is None or not (x.is_cpu and x.dtype is _F32 and x.dim() == 2 and x.shape[1] > 0):
         return (x if rows is None else x[rows]).max(dim=-1)
