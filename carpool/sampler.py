@@ -101,11 +101,12 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         edits = grammar is not None or any(r.sampling_params.edits_logits for r in requests)
-        if rows is not None and (edits or any(want_logprobs)):
-            logits, rows = logits[rows], None
+        gathered = rows is not None and (edits or any(want_logprobs))
+        if gathered:
+            logits, rows = logits[rows], None  # a copy, which the edits below may change
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         if edits:
-            logits = logits.clone()
+            logits = logits if gathered else logits.clone()
             apply_penalties(logits, requests)
             apply_token_controls(logits, requests)
             mask_stops_before_min_tokens(logits, requests)

@@ -437,9 +437,9 @@ def row_max(x: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tenso
         return (x if rows is None else x[rows]).max(dim=-1)
     x = x.contiguous()
     count = x.shape[0] if rows is None else len(rows)
-    picked = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-    if picked is not None and count and not (0 <= int(picked.min()) and int(picked.max()) < x.shape[0]):
+    if rows and not (0 <= min(rows) and max(rows) < x.shape[0]):
         raise IndexError(f"row_max: rows {rows} out of range for {x.shape[0]} rows")
+    picked = None if rows is None else torch.tensor(rows, dtype=torch.int64)
     values, indices = x.new_empty(count), torch.empty(count, dtype=torch.int64)
     lib.row_max(x.data_ptr(), None if picked is None else picked.data_ptr(), count, x.shape[1], values.data_ptr(),
                 indices.data_ptr(), torch.get_num_threads())

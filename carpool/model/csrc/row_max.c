@@ -58,11 +58,8 @@ static void max_of_row(const float *x, int64_t n, float *value, int64_t *index) 
         __m512i where = lane;
         int any_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(top), magnitude), exponent) != 0;
         for (int64_t i = LANES; !any_nan && i < whole; i += LANES) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            if (_mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), exponent)) {
-                any_nan = 1;
-                break;
-            }
+            const __m512 v = _mm512_loadu_ps(x + i);  /* a NaN is never above: it ends the loop, no more */
+            any_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), exponent) != 0;
             const __mmask16 above = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
             top = _mm512_mask_mov_ps(top, above, v);
             where = _mm512_mask_mov_epi32(where, above, _mm512_add_epi32(_mm512_set1_epi32((int)i), lane));
@@ -78,11 +75,9 @@ static void max_of_row(const float *x, int64_t n, float *value, int64_t *index) 
         int any_nan = _mm256_movemask_epi8(_mm256_cmpgt_epi32(
             _mm256_and_si256(_mm256_castps_si256(top), magnitude), exponent)) != 0;
         for (int64_t i = LANES; !any_nan && i < whole; i += LANES) {
-            const __m256 v = _mm256_loadu_ps(x + i);
-            if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), exponent))) {
-                any_nan = 1;
-                break;
-            }
+            const __m256 v = _mm256_loadu_ps(x + i);  /* a NaN is never above: it ends the loop, no more */
+            any_nan = _mm256_movemask_epi8(_mm256_cmpgt_epi32(
+                _mm256_and_si256(_mm256_castps_si256(v), magnitude), exponent)) != 0;
             const __m256 above = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
             top = _mm256_blendv_ps(top, v, above);
             where = _mm256_blendv_epi8(where, _mm256_add_epi32(_mm256_set1_epi32((int)i), lane),
