@@ -28,6 +28,7 @@ from torch import nn
 from carpool.model.attention import AttendFn, AttentionMetadata
 from carpool.model.llama import DecoderLayer, LlamaModel
 from carpool.model.paths import COMPILE_MIN_TOKENS
+from carpool.model.quant import QuantizedLinear
 
 
 def can_compile(model: LlamaModel) -> bool:
@@ -74,6 +75,10 @@ class CompiledLayers:
 
 
 def warm_up_sizes(model: nn.Module, min_tokens: int = COMPILE_MIN_TOKENS) -> list[int]:
-    """Token counts that reach every compiled graph. Quantized layers switch kernels at
-    quant.tile_from() tokens (16, or never), below the smallest compiled step, so one size does."""
-    return [min_tokens]
+    """Token counts that reach every compiled graph: the smallest compiled step, and where an
+    int4 / int8 layer switches to its tile kernel above it (quant.tile_from(): QuantizedLinear's
+    forward branches on the token count, so each side is a graph of its own) that count too. A
+    GGUF's own codes switch inside their C op, with no branch."""
+    switches = {m.tile_from for m in model.modules()
+                if isinstance(m, QuantizedLinear) and m.kq is None and m.tile_from > min_tokens}
+    return [min_tokens, *sorted(switches)]

@@ -117,60 +117,87 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, _row_blocks(scales).transpose(1, 2).to(torch.float16).contiguous()
 
 
-# From this many tokens, the bf16 tile kernel (dequantize a block once, reuse it across the
-# chunk) runs instead of the integer kernel, where it is the faster one at a chunk's size: the
-# integer kernel's time grows with every token, the tile kernel's barely until its dequantization
-# is paid for, and the two meet around 16 tokens on a 2-core AMD EPYC Zen 5 (`carpool bench
-# quant`: the layers as the engine runs them, BENCHMARKS.md "GGUF K-quants at 1B").
+# From this many tokens the bf16 tile kernel (dequantize a block once, reuse it across the chunk)
+# runs where the CPU has AMX: its tile products win from one tile of 16 tokens. Elsewhere
+# `tile_from()` times where the tile kernel overtakes the integer kernel, whose time grows with
+# every token while the tile kernel's barely does until its dequantization is paid for.
 TILE_FROM = 16
-TILE_PROBE = (4096, 2048, 64)  # rows, input channels, tokens: the product tile_from() times
-TILE_MARGIN = 1.1  # how much faster the integer kernel must be there to run at every size
+TILE_PROBE = (4096, 2048)  # rows and input channels of the Q4_K weight tile_from() times
+PROBE_TOKENS = (16, 32, 64, 128)  # the chunk sizes it times that weight at
+# A choice timed while other processes took the CPUs is not kept: a 2-core AMD EPYC Zen 5 timed
+# the tile kernel 3x slower than the integer one at 64 tokens beside a compiler's build, and
+# 0.8x the time alone.
+MIN_CPU_SHARE = 0.8
 
 
-def measure_kernels(rounds: int = 5) -> tuple[float, float]:
-    """Seconds for a random Q4_K weight's product (TILE_PROBE) on the integer kernel and on the
-    tile kernel: the best of `rounds` calls each, alternating."""
-    n, k, tokens = TILE_PROBE
+def measure_kernels(rounds: int = 5) -> tuple[dict[int, tuple[float, float]], float]:
+    """Seconds for a random Q4_K weight's product (TILE_PROBE) at each of PROBE_TOKENS, on the
+    integer kernel and on the tile kernel, the best of `rounds` calls each, alternating; and the
+    share of its threads' time this process got meanwhile (below 1: others took the CPUs)."""
+    n, k = TILE_PROBE
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)  # Q4_K: d, dmin, scales, codes
     blocks[..., :4] = np.full(2, 0.01, np.float16).view(np.uint8)  # finite d and dmin
     kernel = packed_kernel(gguf_codes.decode(blocks.reshape(n, -1), GGMLQuantizationType.Q4_K, (n, k)))
-    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds + 1):  # the first round warms up
-        for i, tile_from in enumerate((0, 1)):
-            start = time.perf_counter()
-            kernel(x, tile_from)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    generator = torch.Generator().manual_seed(0)
+    times = {}
+    wall, cpu = time.perf_counter(), time.process_time()
+    for tokens in PROBE_TOKENS:
+        x = torch.randn(tokens, k, generator=generator).bfloat16()
+        best = [float("inf"), float("inf")]
+        for _ in range(rounds + 1):  # the first round warms up
+            for i, tile_from in enumerate((0, 1)):
+                start = time.perf_counter()
+                kernel(x, tile_from)
+                best[i] = min(best[i], time.perf_counter() - start)
+        times[tokens] = (best[0], best[1])
+    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
+    return times, share
+
+
+def crossover(times: dict[int, tuple[float, float]]) -> int:
+    """The smallest probed token count from which the tile kernel is the faster one at every
+    probed count (`times`: {tokens: (integer s, tiles s)}); 0 where it loses at the largest."""
+    chosen = 0
+    for tokens in sorted(times, reverse=True):
+        integer, tiles = times[tokens]
+        if tiles >= integer:
+            break
+        chosen = tokens
+    return chosen
 
 
 @functools.cache
 def tile_from() -> int:
     """The token count from which quantized layers run the tile kernel on this CPU; 0: never.
-    TILE_FROM, unless the integer kernel is TILE_MARGIN times faster at a 64-token chunk
-    (measure_kernels), as on AMD Zen 4, whose AVX-512 runs on 256-bit units: there `vpdpbusd`'s 64
-    multiply-adds an instruction beat `vdpbf16ps`'s 32 and the tile's dequantization at every size
-    (docs/kernels.md has the figures). Measured once per CPU and kernel build, and kept beside the built kernels, so that every
-    later process (a server, its profile, a benchmark) multiplies alike; with AMX the tile kernel
-    always runs from TILE_FROM."""
+    Where the two kernels cross (measure_kernels, crossover): on AMD Zen 4, whose AVX-512 runs on
+    256-bit units, `vpdpbusd`'s 64 multiply-adds an instruction beat `vdpbf16ps`'s 32 and the
+    tile's dequantization at every size; on Zen 5 the tile kernel wins from a few dozen tokens
+    (docs/kernels.md has the figures). Measured once per CPU and kernel build, and kept beside
+    the built kernels, so that every later process (a server, its profile, a benchmark)
+    multiplies alike; with AMX the tile kernel always runs from TILE_FROM."""
     if not cpu_kernels.has_kq_tiles():
         return 0
     if cpu_kernels.has_amx():
         return TILE_FROM
     path = cpu_kernels.build().with_suffix(".tile_from.json")
     try:
-        return int(json.loads(path.read_text())["tile_from"])
+        return int(json.loads(path.read_text())["crossover"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    integer, tiles = measure_kernels()
-    chosen = 0 if integer * TILE_MARGIN <= tiles else TILE_FROM
-    log.info("quantized layers: %s (a %dx%d weight, %d tokens: integer kernel %.2f ms, tile kernel %.2f ms)",
+    times, share = measure_kernels()
+    chosen = crossover(times)
+    log.info("quantized layers: %s (a %dx%d Q4_K weight, integer / tile kernel: %s)",
              "the integer kernel at every size" if chosen == 0 else f"the tile kernel from {chosen} tokens",
-             *TILE_PROBE[:2], TILE_PROBE[2], integer * 1e3, tiles * 1e3)
+             *TILE_PROBE, ", ".join(f"{t} tokens {a * 1e3:.2f} / {b * 1e3:.2f} ms" for t, (a, b) in times.items()))
+    if share < MIN_CPU_SHARE:
+        log.warning("the kernels were timed while other processes used the CPUs (this one got %.0f%% of its "
+                    "threads' time): the choice is not kept, and the next process times them again", 100 * share)
+        return chosen
     try:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump({"tile_from": chosen, "integer_s": integer, "tile_s": tiles, "probe": TILE_PROBE}, f)
+            json.dump({"crossover": chosen, "seconds": {t: list(v) for t, v in times.items()},
+                       "probe": TILE_PROBE, "cpu_share": share}, f)
         os.replace(f.name, path)  # atomic: concurrent processes each write their own file
     except OSError as e:  # a read-only cache: this process keeps its choice, the next measures again
         log.warning("could not keep the kernel choice in %s: %s", path.parent, e)

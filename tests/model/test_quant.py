@@ -320,27 +320,42 @@ def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality,
 
 
 def test_the_tile_kernels_threshold_is_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
-    """quant.tile_from(): the integer kernel at every size where it is TILE_MARGIN times faster
-    at the probe's chunk, else the tiles from TILE_FROM; measured once, then read from beside the
-    built kernels (a damaged file is measured again)."""
+    """quant.tile_from(): the tile kernel from the smallest probed chunk from which it is the
+    faster kernel at every probed size, else the integer kernel at every size; measured once, then
+    read from beside the built kernels (a damaged file is measured again). A measurement made
+    while other processes took the CPUs is used but not kept."""
     if not cpu_kernels.has_kq_tiles() or cpu_kernels.has_amx():
         pytest.skip("no tile kernel here, or AMX's, which always runs from TILE_FROM")
-    integer, tiles = quant.measure_kernels(rounds=1)  # the real kernels
-    assert 0 < integer < 1 and 0 < tiles < 1
+    times, share = quant.measure_kernels(rounds=1)  # the real kernels
+    assert sorted(times) == sorted(quant.PROBE_TOKENS) and 0 < share <= 1.5
+    assert all(0 < t < 1 for pair in times.values() for t in pair)
     monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "kernels.so")
     measured = []
 
-    def measure(times):
-        monkeypatch.setattr(quant, "measure_kernels", lambda: measured.append(times) or times)
+    def measure(times, share=1.0):
+        monkeypatch.setattr(quant, "measure_kernels", lambda: measured.append(times) or (times, share))
         quant.tile_from.cache_clear()
 
+    integer_wins = {16: (1.0, 1.5), 32: (2.0, 2.5), 64: (4.0, 4.2), 128: (8.0, 8.1)}
+    tiles_from_32 = {16: (1.0, 1.2), 32: (2.0, 1.9), 64: (4.0, 3.0), 128: (8.0, 5.0)}
+    kept = tmp_path / "kernels.tile_from.json"
     try:
-        measure((1.0, 1.2))
+        measure(integer_wins)
         assert quant.tile_from() == 0 and len(measured) == 1
-        measure((1.0, 1.05))  # not measured: the kept choice stands
+        measure(tiles_from_32)  # not measured: the kept choice stands
         assert quant.tile_from() == 0 and len(measured) == 1
-        (tmp_path / "kernels.tile_from.json").write_text("{")
+        kept.write_text("{")
         quant.tile_from.cache_clear()
-        assert quant.tile_from() == TILE_FROM and measured == [(1.0, 1.2), (1.0, 1.05)]
+        assert quant.tile_from() == 32 and len(measured) == 2
+        kept.unlink()
+        measure(integer_wins, share=0.5)  # others took the CPUs: used, not kept
+        assert quant.tile_from() == 0 and len(measured) == 3 and not kept.exists()
     finally:
         quant.tile_from.cache_clear()
+
+
+def test_the_crossover_is_where_the_tile_kernel_wins_from_then_on():
+    """A tile kernel that wins at one size but loses at a larger one does not run from there."""
+    assert quant.crossover({16: (1, 2), 32: (2, 1), 64: (4, 5), 128: (8, 7)}) == 128
+    assert quant.crossover({16: (1, 0.5), 32: (2, 1), 64: (4, 3), 128: (8, 7)}) == 16
+    assert quant.crossover({16: (1, 2), 32: (2, 3), 64: (4, 5), 128: (8, 9)}) == 0
