@@ -119,38 +119,56 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 # From this many tokens the bf16 tile kernel (dequantize a block once, reuse it across the chunk)
 # runs where the CPU has AMX: its tile products win from one tile of 16 tokens. Elsewhere
-# `tile_from()` times where the tile kernel overtakes the integer kernel, whose time grows with
+# `tile_from()` times where the tile kernel overtakes each integer kernel, whose time grows with
 # every token while the tile kernel's barely does until its dequantization is paid for.
 TILE_FROM = 16
-TILE_PROBE = (4096, 2048)  # rows and input channels of the Q4_K weight tile_from() times
-PROBE_TOKENS = (16, 32, 64, 128)  # the chunk sizes it times that weight at
-# A choice timed while other processes took the CPUs is not kept: a 2-core AMD EPYC Zen 5 timed
-# the tile kernel 3x slower than the integer one at 64 tokens beside a compiler's build, and
-# 0.8x the time alone.
+TILE_PROBE = (4096, 2048)  # rows and input channels of the weights tile_from() times
+PROBE_TOKENS = (16, 32, 64, 128)  # the chunk sizes it times them at
+# The integer kernels the tile kernel is timed against: a GGUF's own codes (kquant.c, timed on a
+# Q4_K tensor) and carpool's int4 / int8 (quant_gemv.c, timed on int4). On a 2-core AMD EPYC
+# Zen 5 the tile kernel overtook the first from 32-64 tokens and never the second (1.13-1.48x
+# its time at 32-256 tokens on the embedded model's shapes and a 1B model's).
+KERNEL_FAMILIES = ("gguf", "int4")
+# A choice timed while other processes took the CPUs is not kept: the same Zen 5 timed the tile
+# kernel 3x slower than kquant.c's integer one at 64 tokens beside a compiler's build, and 0.9x
+# the time alone.
 MIN_CPU_SHARE = 0.8
 
 
-def measure_kernels(rounds: int = 5) -> tuple[dict[int, tuple[float, float]], float]:
-    """Seconds for a random Q4_K weight's product (TILE_PROBE) at each of PROBE_TOKENS, on the
-    integer kernel and on the tile kernel, the best of `rounds` calls each, alternating; and the
-    share of its threads' time this process got meanwhile (below 1: others took the CPUs)."""
+def _probe_kernels(family: str):
+    """The integer and the tile kernel's products (x -> y) of a random TILE_PROBE weight of `family`."""
     n, k = TILE_PROBE
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)  # Q4_K: d, dmin, scales, codes
-    blocks[..., :4] = np.full(2, 0.01, np.float16).view(np.uint8)  # finite d and dmin
-    kernel = packed_kernel(gguf_codes.decode(blocks.reshape(n, -1), GGMLQuantizationType.Q4_K, (n, k)))
+    if family == "gguf":
+        rng = np.random.default_rng(0)
+        blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)  # Q4_K: d, dmin, scales, codes
+        blocks[..., :4] = np.full(2, 0.01, np.float16).view(np.uint8)  # finite d and dmin
+        kernel = packed_kernel(gguf_codes.decode(blocks.reshape(n, -1), GGMLQuantizationType.Q4_K, (n, k)))
+        return (lambda x: kernel(x, 0)), (lambda x: kernel(x, 1))
+    codes, scale, low = pack_int4(*quantize_q4_1(torch.randn(n, k, generator=torch.Generator().manual_seed(0))))
+    integer = cpu_kernels.QuantizedMatmul(n, codes, scale, low)
+    tiles = _tiles((codes, None, None, None, scale, low), n, k, 4, 0, 1.0)
+    return integer, (lambda x: tiles(x, 1))
+
+
+def measure_kernels(rounds: int = 5) -> tuple[dict[str, dict[int, tuple[float, float]]], float]:
+    """Seconds for each family's probe product at each of PROBE_TOKENS on its integer kernel and
+    on the tile kernel, the best of `rounds` calls each, alternating: {family: {tokens: (integer s,
+    tiles s)}}; and the share of its threads' time this process got meanwhile (below 1: other
+    processes took the CPUs)."""
     generator = torch.Generator().manual_seed(0)
-    times = {}
+    times: dict[str, dict[int, tuple[float, float]]] = {}
     wall, cpu = time.perf_counter(), time.process_time()
-    for tokens in PROBE_TOKENS:
-        x = torch.randn(tokens, k, generator=generator).bfloat16()
-        best = [float("inf"), float("inf")]
-        for _ in range(rounds + 1):  # the first round warms up
-            for i, tile_from in enumerate((0, 1)):
-                start = time.perf_counter()
-                kernel(x, tile_from)
-                best[i] = min(best[i], time.perf_counter() - start)
-        times[tokens] = (best[0], best[1])
+    for family in KERNEL_FAMILIES:
+        kernels, times[family] = _probe_kernels(family), {}
+        for tokens in PROBE_TOKENS:
+            x = torch.randn(tokens, TILE_PROBE[1], generator=generator).bfloat16()
+            best = [float("inf"), float("inf")]
+            for _ in range(rounds + 1):  # the first round warms up
+                for i, product in enumerate(kernels):
+                    start = time.perf_counter()
+                    product(x)
+                    best[i] = min(best[i], time.perf_counter() - start)
+            times[family][tokens] = (best[0], best[1])
     share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
     return times, share
 
@@ -167,37 +185,44 @@ def crossover(times: dict[int, tuple[float, float]]) -> int:
     return chosen
 
 
+def tile_from(family: str) -> int:
+    """The token count from which quantized layers of `family` ('gguf': a GGUF's own codes;
+    'int4': carpool's int4 / int8) run the tile kernel on this CPU; 0: never. Where the kernels
+    cross (measure_kernels, crossover): on AMD Zen 4, whose AVX-512 runs on 256-bit units,
+    `vpdpbusd`'s 64 multiply-adds an instruction beat `vdpbf16ps`'s 32 and the tile's
+    dequantization at every size (docs/kernels.md has the figures). With AMX the tile kernel
+    always runs from TILE_FROM."""
+    return tile_choices().get(family, 0)
+
+
 @functools.cache
-def tile_from() -> int:
-    """The token count from which quantized layers run the tile kernel on this CPU; 0: never.
-    Where the two kernels cross (measure_kernels, crossover): on AMD Zen 4, whose AVX-512 runs on
-    256-bit units, `vpdpbusd`'s 64 multiply-adds an instruction beat `vdpbf16ps`'s 32 and the
-    tile's dequantization at every size; on Zen 5 the tile kernel wins from a few dozen tokens
-    (docs/kernels.md has the figures). Measured once per CPU and kernel build, and kept beside
-    the built kernels, so that every later process (a server, its profile, a benchmark)
-    multiplies alike; with AMX the tile kernel always runs from TILE_FROM."""
+def tile_choices() -> dict[str, int]:
+    """tile_from() of every family: measured once per CPU and kernel build, and kept beside the
+    built kernels, so that every later process (a server, its profile, a benchmark) multiplies alike."""
     if not cpu_kernels.has_kq_tiles():
-        return 0
+        return {}
     if cpu_kernels.has_amx():
-        return TILE_FROM
+        return dict.fromkeys(KERNEL_FAMILIES, TILE_FROM)
     path = cpu_kernels.build().with_suffix(".tile_from.json")
     try:
-        return int(json.loads(path.read_text())["crossover"])
+        kept = json.loads(path.read_text())["crossover"]
+        return {family: int(kept[family]) for family in KERNEL_FAMILIES}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     times, share = measure_kernels()
-    chosen = crossover(times)
-    log.info("quantized layers: %s (a %dx%d Q4_K weight, integer / tile kernel: %s)",
-             "the integer kernel at every size" if chosen == 0 else f"the tile kernel from {chosen} tokens",
-             *TILE_PROBE, ", ".join(f"{t} tokens {a * 1e3:.2f} / {b * 1e3:.2f} ms" for t, (a, b) in times.items()))
+    chosen = {family: crossover(times[family]) for family in KERNEL_FAMILIES}
+    for family, tokens in chosen.items():
+        log.info("quantized layers (%s): %s (a %dx%d weight, integer / tile kernel: %s)", family,
+                 "the integer kernel at every size" if tokens == 0 else f"the tile kernel from {tokens} tokens",
+                 *TILE_PROBE, ", ".join(f"{t} tokens {a * 1e3:.2f} / {b * 1e3:.2f} ms"
+                                        for t, (a, b) in times[family].items()))
     if share < MIN_CPU_SHARE:
         log.warning("the kernels were timed while other processes used the CPUs (this one got %.0f%% of its "
                     "threads' time): the choice is not kept, and the next process times them again", 100 * share)
         return chosen
     try:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump({"crossover": chosen, "seconds": {t: list(v) for t, v in times.items()},
-                       "probe": TILE_PROBE, "cpu_share": share}, f)
+            json.dump({"crossover": chosen, "seconds": times, "probe": TILE_PROBE, "cpu_share": share}, f)
         os.replace(f.name, path)  # atomic: concurrent processes each write their own file
     except OSError as e:  # a read-only cache: this process keeps its choice, the next measures again
         log.warning("could not keep the kernel choice in %s: %s", path.parent, e)
@@ -266,7 +291,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(QUANTIZATIONS)}")
         # From this many tokens the tile kernel runs; 0: the integer kernel at every size.
-        self.tile_from = tile_from() if self.tiles is not None else 0
+        self.tile_from = tile_from("int4") if self.tiles is not None else 0
         self.bias = linear.bias
 
     @classmethod
@@ -284,7 +309,7 @@ class QuantizedLinear(nn.Module):
         self.kq = kq
         self.mode, self.in_features, self.out_features, self.dtype = "gguf", self.kq.k, self.kq.n, dtype
         self.kernel = self.tiles = None
-        self.tile_from = tile_from() if dtype == torch.bfloat16 else 0
+        self.tile_from = tile_from("gguf") if dtype == torch.bfloat16 else 0
         self.bias = bias
         return self
 

@@ -91,9 +91,9 @@ def test_layer_computes_the_dequantized_weights(kernel, mode, dtype, n, bias):
     q = QuantizedLinear(base, mode, dtype).to(dtype)
     kernel = kernel and dtype == torch.bfloat16  # fp32 keeps torch's kernel: the reference arithmetic
     assert (q.kernel is not None) == kernel
-    assert q.tile_from == (quant.tile_from() if kernel else 0)
-    if q.tile_from == 0 and kernel and cpu_kernels.has_kq_tiles():
-        q.tile_from = TILE_FROM  # this CPU runs the integer kernel at every size: test the tiles too
+    assert q.tile_from == (quant.tile_from("int4") if kernel else 0)
+    if kernel and cpu_kernels.has_kq_tiles():
+        q.tile_from = TILE_FROM  # test the tiles from there, whatever this CPU chose
     assert not any(t.shape == (n, 64) for t in q.parameters())  # no dense copy
     w = dequantized(q, base)
     assert (w - base.weight).abs().max() <= (0.03 if mode == "int4" else 0.003)  # a quantization step
@@ -320,38 +320,40 @@ def test_quantized_quality_vs_fp32_and_bf16(model_path, reference, bf16_quality,
 
 
 def test_the_tile_kernels_threshold_is_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
-    """quant.tile_from(): the tile kernel from the smallest probed chunk from which it is the
-    faster kernel at every probed size, else the integer kernel at every size; measured once, then
-    read from beside the built kernels (a damaged file is measured again). A measurement made
-    while other processes took the CPUs is used but not kept."""
+    """quant.tile_from(family): the tile kernel from the smallest probed chunk from which it is
+    the faster kernel at every probed size, else the integer kernel at every size, for each family
+    of integer kernels on its own; measured once, then read from beside the built kernels (a
+    damaged file is measured again). A measurement made while other processes took the CPUs is
+    used but not kept."""
     if not cpu_kernels.has_kq_tiles() or cpu_kernels.has_amx():
         pytest.skip("no tile kernel here, or AMX's, which always runs from TILE_FROM")
     times, share = quant.measure_kernels(rounds=1)  # the real kernels
-    assert sorted(times) == sorted(quant.PROBE_TOKENS) and 0 < share <= 1.5
-    assert all(0 < t < 1 for pair in times.values() for t in pair)
+    assert sorted(times) == sorted(quant.KERNEL_FAMILIES) and 0 < share <= 1.5
+    assert all(sorted(t) == sorted(quant.PROBE_TOKENS) for t in times.values())
+    assert all(0 < s < 1 for t in times.values() for pair in t.values() for s in pair)
     monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "kernels.so")
     measured = []
 
     def measure(times, share=1.0):
         monkeypatch.setattr(quant, "measure_kernels", lambda: measured.append(times) or (times, share))
-        quant.tile_from.cache_clear()
+        quant.tile_choices.cache_clear()
 
     integer_wins = {16: (1.0, 1.5), 32: (2.0, 2.5), 64: (4.0, 4.2), 128: (8.0, 8.1)}
     tiles_from_32 = {16: (1.0, 1.2), 32: (2.0, 1.9), 64: (4.0, 3.0), 128: (8.0, 5.0)}
     kept = tmp_path / "kernels.tile_from.json"
     try:
-        measure(integer_wins)
-        assert quant.tile_from() == 0 and len(measured) == 1
-        measure(tiles_from_32)  # not measured: the kept choice stands
-        assert quant.tile_from() == 0 and len(measured) == 1
+        measure({"gguf": tiles_from_32, "int4": integer_wins})
+        assert (quant.tile_from("gguf"), quant.tile_from("int4")) == (32, 0) and len(measured) == 1
+        measure({"gguf": integer_wins, "int4": tiles_from_32})  # not measured: the kept choice stands
+        assert (quant.tile_from("gguf"), quant.tile_from("int4")) == (32, 0) and len(measured) == 1
         kept.write_text("{")
-        quant.tile_from.cache_clear()
-        assert quant.tile_from() == 32 and len(measured) == 2
+        quant.tile_choices.cache_clear()
+        assert (quant.tile_from("gguf"), quant.tile_from("int4")) == (0, 32) and len(measured) == 2
         kept.unlink()
-        measure(integer_wins, share=0.5)  # others took the CPUs: used, not kept
-        assert quant.tile_from() == 0 and len(measured) == 3 and not kept.exists()
+        measure({"gguf": integer_wins, "int4": integer_wins}, share=0.5)  # others took the CPUs
+        assert quant.tile_from("gguf") == 0 and len(measured) == 3 and not kept.exists()
     finally:
-        quant.tile_from.cache_clear()
+        quant.tile_choices.cache_clear()
 
 
 def test_the_crossover_is_where_the_tile_kernel_wins_from_then_on():
