@@ -26,7 +26,7 @@ from carpool.core.scheduler import ScheduledBatch, make_scheduler
 from carpool.core.step_cost import BatchShape
 from carpool.executor import Executor, ExecutorError, make_executor
 from carpool.inputs import PromptType, parse_prompt
-from carpool.model import cpu_kernels
+from carpool.model import cpu_kernels, quant
 from carpool.model.loader import hf_generation_config, resolve_model_path
 from carpool.outputs import OutputProcessor, RequestOutput
 from carpool.request import Request, RequestStatus
@@ -416,6 +416,7 @@ class LLMEngine:
                 "quantization": config.quantization, "dtype": str(self.dtype), "device": str(self.device),
                 "accelerator": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
                 "cpu": cpu_kernels.cpu_model(), "kernels": getattr(lib, "_name", None),
+                "tile_from": quant.tile_choices() if lib is not None else None,
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "eager": config.enforce_eager, "tp": config.tensor_parallel_size,
                 "pp": config.pipeline_parallel_size, "block_size": config.block_size,
