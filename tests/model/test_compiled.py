@@ -260,3 +260,18 @@ def test_failed_compile_falls_back_to_eager(tmp_path, engine_fp32, monkeypatch, 
     assert_untouched(runner.model)
     pad = runner.kv_cache[:, :, runner.pad_block * runner.block_size:]
     assert not pad.any()  # the warm-up's writes to the pad block are undone
+
+
+def test_warm_up_reaches_both_sides_of_an_int4_layers_kernel_switch():
+    """An int4 / int8 layer branches on the token count at its tile_from: a switch above the
+    smallest compiled step is a second graph, warmed up too; a GGUF's codes switch inside their op."""
+    from carpool.model.quant import QuantizedLinear
+
+    layer = QuantizedLinear(torch.nn.Linear(64, 32), "int4", torch.bfloat16)
+    model = torch.nn.Sequential(layer)
+    for tile_from, sizes in ((0, [COMPILE_MIN_TOKENS]), (16, [COMPILE_MIN_TOKENS]),
+                             (COMPILE_MIN_TOKENS, [COMPILE_MIN_TOKENS]), (64, [COMPILE_MIN_TOKENS, 64])):
+        layer.tile_from = tile_from
+        assert compiled_module.warm_up_sizes(model) == sizes
+    layer.kq = object()  # as from_codes makes it: the kernel picks inside the C op
+    assert compiled_module.warm_up_sizes(model) == [COMPILE_MIN_TOKENS]
