@@ -126,8 +126,8 @@ TILE_PROBE = (4096, 2048)  # rows and input channels of the weights tile_from() 
 PROBE_TOKENS = (16, 32, 64, 128)  # the chunk sizes it times them at
 # The integer kernels the tile kernel is timed against: a GGUF's own codes (kquant.c, timed on a
 # Q4_K tensor) and carpool's int4 / int8 (quant_gemv.c, timed on int4). On a 2-core AMD EPYC
-# Zen 5 the tile kernel overtook the first from 32-64 tokens and never the second (1.13-1.48x
-# its time at 32-256 tokens on the embedded model's shapes and a 1B model's).
+# Zen 5 the tile kernel overtook the first from 32 tokens and never the second (1.00-1.86x its
+# time at 128-16 tokens; benchmarks/tile_crossover.py, docs/kernels.md).
 KERNEL_FAMILIES = ("gguf", "int4")
 # A choice timed while other processes took the CPUs is not kept: the same Zen 5 timed the tile
 # kernel 3x slower than kquant.c's integer one at 64 tokens beside a compiler's build, and 0.9x
@@ -157,7 +157,7 @@ def measure_kernels(rounds: int = 5) -> tuple[dict[str, dict[int, tuple[float, f
     processes took the CPUs)."""
     generator = torch.Generator().manual_seed(0)
     times: dict[str, dict[int, tuple[float, float]]] = {}
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall = cpu = 0.0  # over the products alone: building the probes runs on one thread
     for family in KERNEL_FAMILIES:
         kernels, times[family] = _probe_kernels(family), {}
         for tokens in PROBE_TOKENS:
@@ -165,12 +165,13 @@ def measure_kernels(rounds: int = 5) -> tuple[dict[str, dict[int, tuple[float, f
             best = [float("inf"), float("inf")]
             for _ in range(rounds + 1):  # the first round warms up
                 for i, product in enumerate(kernels):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     product(x)
-                    best[i] = min(best[i], time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
+                    best[i] = min(best[i], seconds)
+                    wall, cpu = wall + seconds, cpu + time.process_time() - start_cpu
             times[family][tokens] = (best[0], best[1])
-    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return times, share
+    return times, cpu / (wall * torch.get_num_threads())
 
 
 def crossover(times: dict[int, tuple[float, float]]) -> int:
