@@ -1,13 +1,14 @@
-"""Two builds of the C kernels side by side in one process: single-stream decodes alternated.
+"""Two builds of the C kernels side by side in one process: the same generations alternated.
 
     .venv/bin/python benchmarks/ab_kernels.py --base REV [--model M] [--quantization Q] [--rounds 30] [--tokens 16]
-        [--streams 1]
+        [--streams 1] [--prompt-tokens 12]
 
 On a host whose memory speed moves 20-40% from minute to minute, two runs of `carpool bench ...`
 minutes apart compare the minutes, not the kernels. Here the kernels of git revision REV and those
 of the working tree are each compiled (the flags `carpool.model.cpu_kernels` uses), an engine is
 loaded on each, and short greedy decodes run on one then the other, in turn, for many rounds
-(`--streams` at once: steps of that many tokens).
+(`--streams` at once: steps of that many tokens). With a long `--prompt-tokens` and `--tokens 1`
+each generation is a prefill, and the ratio compares the kernels' chunks.
 Each engine runs with its own library (looked up per call, or bound at load as the fused layers
 do). Prints each round and the median ratio, and writes them as JSON with --output.
 """
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--tokens", type=int, default=16, help="greedy tokens a stream, after a 12-token prompt")
+    ap.add_argument("--tokens", type=int, default=16, help="greedy tokens a stream, after its prompt")
+    ap.add_argument("--prompt-tokens", type=int, default=12, help="prompt tokens a stream")
     ap.add_argument("--streams", type=int, default=1, help="greedy streams decoding together")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -64,9 +66,12 @@ def main() -> None:
     cpu_kernels.library = lambda: libs[active[0]]
     for name in libs:
         active[0] = name
-        engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory="256MiB")
+        # the fixed token budget: both engines cut a prompt into the same chunks; no prefix cache,
+        # or each round after the first would skip the prompt
+        engines[name] = LLM(model=args.model, quantization=args.quantization, kv_cache_memory="256MiB", target_tbt_ms=0,
+                            enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(100 + i, 112 + i))} for i in range(args.streams)]
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + args.prompt_tokens))} for i in range(args.streams)]
     ms, ids = {name: [] for name in libs}, {}
     for name in libs:
         active[0] = name
@@ -81,7 +86,7 @@ def main() -> None:
         print(f"round {r}: base {ms['base'][-1]:.2f} ms a step, tree {ms['tree'][-1]:.2f}", flush=True)
     ratios = [b / t for b, t in zip(ms["base"], ms["tree"])]
     result = {"base": args.base, "model": args.model, "quantization": args.quantization, "tokens": args.tokens,
-              "streams": args.streams,
+              "streams": args.streams, "prompt_tokens": args.prompt_tokens,
               "ms_per_token": ms, "base_over_tree": ratios, "median": statistics.median(ratios),
               "same_tokens": ids["base"] == ids["tree"]}
     print(f"base/tree: median {result['median']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), "

@@ -105,6 +105,21 @@ def test_integer_kernel_is_dequantized_weights_times_int8_activations(qtype, dty
         assert ((ref - exact).abs() <= step @ (w - low).abs().T * (1 + 1e-9)).all()
 
 
+@settings(max_examples=examples(30), deadline=None)
+@given(qtype=st.sampled_from(TYPES), blocks=st.integers(1, 3), rows_short=st.integers(0, 15),
+       tokens=st.integers(2, 12), bf16=st.booleans(), seed=st.integers(0, 1000))
+def test_a_token_gets_the_same_output_alone_and_among_others(qtype, blocks, rows_short, tokens, bf16, seed):
+    """The integer kernel, bit for bit: a lone token (a batch-1 decode), a few tokens and a chunk
+    take different loops (AVX2: one token, tiles of 4, the unpacked form in pairs), and a token's
+    output must not depend on which ran, or greedy decoding would depend on the batch."""
+    n, k = 16 * blocks - rows_short, 512
+    kernel = kernel_for(random_codes(qtype, n, k, seed=seed)[0])
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16 if bf16 else torch.float32)
+    together = kernel(x, 0)
+    for i in range(tokens):
+        assert torch.equal(kernel(x[i:i + 1], 0), together[i:i + 1])
+
+
 @pytest.mark.skipif(not cpu_kernels.has_kq_tiles(), reason="needs AVX512-BF16 and VBMI")
 @settings(max_examples=examples(24), deadline=None)
 @given(qtype=st.sampled_from(TYPES), blocks=st.integers(1, 5), rows_short=st.integers(0, 15),
@@ -224,6 +239,7 @@ def test_the_avx2_kernels_pass_these_tests_on_an_avx512_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False", "True", "False", "True"], out.stdout + out.stderr
     tests = ["tests/model/test_kquant.py::test_integer_kernel_is_dequantized_weights_times_int8_activations",
+             "tests/model/test_kquant.py::test_a_token_gets_the_same_output_alone_and_among_others",
              "tests/model/test_kquant.py::test_both_kernels_agree_across_the_switch", "tests/model/test_quant.py",
              "tests/model/test_bf16_tiles.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,

@@ -480,12 +480,31 @@ static inline __attribute__((always_inline)) __m256i quad_dots(const __m256i *q,
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
 }
 
+/* A group's two halves' integer sums h0, h1 (8 rows) times the weights' factors. With one
+   sub-scale for the group (`one_sub`) the integers add first, as the AVX-512 kernel does, and
+   convert once. Every path of a form takes the same steps, so a token's output does not depend on
+   the tokens beside it. */
+static inline __attribute__((always_inline)) __m256 half_sums(__m256i h0, __m256i h1, const __m256 scale[2],
+                                                              int one_sub) {
+    if (one_sub) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0, h1)), scale[0]);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), scale[1], _mm256_mul_ps(_mm256_cvtepi32_ps(h0), scale[0]));
+}
+
+/* acc plus the min term: each half's bias times the activations' sum over it (`sum`: the two). */
+static inline __attribute__((always_inline)) __m256 min_term(__m256 acc, const __m256 bias[2], const float *sum,
+                                                             int one_sub) {
+    if (one_sub) return _mm256_fmadd_ps(bias[0], _mm256_set1_ps(sum[0] + sum[1]), acc);
+    acc = _mm256_fmadd_ps(bias[0], _mm256_set1_ps(sum[0]), acc);
+    return _mm256_fmadd_ps(bias[1], _mm256_set1_ps(sum[1]), acc);
+}
+
 /* Half h of block b against `tn` tokens from t0: int_block's work on 8 rows. */
 static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w, const HalfActivations *a,
                                                            int64_t b, int h, int64_t t0, const int tn, const int width,
                                                            const int has_offset, const int has_min,
                                                            __m256 acc[HALF_TILE]) {
     const int64_t groups = a->groups, k = w->k;
+    const int one_sub = w->sub_size == 32;
     for (int t = 0; t < tn; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t bg = b * groups + g;
@@ -507,13 +526,8 @@ static inline __attribute__((always_inline)) void int_half(const KQuantWeight *w
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
             }
-            const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), scale[1],
-                                             _mm256_mul_ps(_mm256_cvtepi32_ps(h0), scale[0]));
-            acc[t] = _mm256_fmadd_ps(y, _mm256_set1_ps(a->scale[v]), acc[t]);
-            if (has_min) {
-                acc[t] = _mm256_fmadd_ps(bias[0], _mm256_set1_ps(a->sum[2 * v]), acc[t]);
-                acc[t] = _mm256_fmadd_ps(bias[1], _mm256_set1_ps(a->sum[2 * v + 1]), acc[t]);
-            }
+            acc[t] = _mm256_fmadd_ps(half_sums(h0, h1, scale, one_sub), _mm256_set1_ps(a->scale[v]), acc[t]);
+            if (has_min) acc[t] = min_term(acc[t], bias, a->sum + 2 * v, one_sub);
         }
     }
 }
@@ -525,6 +539,7 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
                                                             int64_t b, int64_t t, const int width, const int has_offset,
                                                             const int has_min, __m256 acc[2]) {
     const int64_t groups = a->groups, k = w->k;
+    const int one_sub = w->sub_size == 32;
     acc[0] = acc[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t bg = b * groups + g, v = t * groups + g;
@@ -544,13 +559,8 @@ static inline __attribute__((always_inline)) void int_rows1(const KQuantWeight *
                 h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(a->start[2 * v]));
                 h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(a->start[2 * v + 1]));
             }
-            const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), scale[1],
-                                             _mm256_mul_ps(_mm256_cvtepi32_ps(h0), scale[0]));
-            acc[h] = _mm256_fmadd_ps(y, dx, acc[h]);
-            if (has_min) {
-                acc[h] = _mm256_fmadd_ps(bias[0], _mm256_set1_ps(a->sum[2 * v]), acc[h]);
-                acc[h] = _mm256_fmadd_ps(bias[1], _mm256_set1_ps(a->sum[2 * v + 1]), acc[h]);
-            }
+            acc[h] = _mm256_fmadd_ps(half_sums(h0, h1, scale, one_sub), dx, acc[h]);
+            if (has_min) acc[h] = min_term(acc[h], bias, a->sum + 2 * v, one_sub);
         }
     }
 }
@@ -571,6 +581,8 @@ typedef struct {
     int32_t *offset;      /* [groups, 2 channel halves, 16 rows]: 128 sum(c - centre) */
     float *scale, *bias;  /* [groups, 2 channel halves, 16 rows]: half_scales' */
 } UnpackedBlock;
+
+#define TOKEN_PAIR 2  /* tokens per pass of the unpacked form */
 
 static const size_t UNPACKED_GROUP = 16 * sizeof(__m256i) + 2 * KQ_ROWS * (sizeof(int32_t) + 2 * sizeof(float));
 
@@ -598,58 +610,94 @@ static void unpack_block(const KQuantWeight *w, int64_t b, int64_t groups, const
         }
 }
 
-/* Every token's 16 rows from row0 of one unpacked block; `flipped` holds the activations as q + 128. */
-static inline __attribute__((always_inline)) void block_tokens(const UnpackedBlock *u, const HalfActivations *a,
-                                                               const uint8_t *flipped, int64_t k, int64_t tokens,
-                                                               void *out, int64_t n, int64_t row0, int is_bf16,
-                                                               const int width, const int has_offset,
-                                                               const int has_min) {
+/* `tt` tokens from t of one unpacked block of `bits`-bit codes, 16 rows from row0; `flipped` holds
+   the activations as q + 128. Each code vector and each group's factors, read once, serve the tile's
+   tokens: one token per pass spent about as many loads and steps on the block as on its products
+   (three tokens a pass spilled registers and measured no faster; slices of the block kept in L1
+   measured slower: L2 is not the bound). With one sub-scale for the group (`one_sub`) the two
+   halves' integer sums add before they convert, as in half_sums; 4-bit codes add them in int16
+   (8 x 2 x 255 x 8 = 32,640) and widen once. A token's integer sums, and the fp32 steps after
+   them, are those of every other path of its form, bit for bit. */
+static inline __attribute__((always_inline)) void block_tile(const UnpackedBlock *u, const HalfActivations *a,
+                                                             const uint8_t *flipped, int64_t k, int64_t t, const int tt,
+                                                             void *out, int64_t n, int64_t row0, int is_bf16,
+                                                             const int bits, const int one_sub, const int has_offset,
+                                                             const int has_min) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t t = 0; t < tokens; t++) {
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int64_t g = 0; g < a->groups; g++) {
-            const int64_t v = t * a->groups + g;
-            const uint8_t *quads = flipped + t * k + g * KQ_GROUP;
-            const __m256i *wq = u->codes + g * 16;
-            __m256i dot[2][2];  /* [channel half][row half] */
-            for (int c = 0; c < 2; c++) {
-                __m256i p[4][2];
-                for (int j = 0; j < 4; j++) {
+    const int merge16 = one_sub && bits == 4;
+    __m256 acc[TOKEN_PAIR][2];  /* [token][row half] */
+    for (int i = 0; i < tt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->groups; g++) {
+        const __m256i *wq = u->codes + g * 16;
+        __m256i lo[TOKEN_PAIR][2], hi[TOKEN_PAIR][2];  /* int16 pairs; hi: 6-bit codes' quads 2 and 3 */
+        __m256i dot[TOKEN_PAIR][2];                    /* one_sub: both halves' integer sums */
+        __m256 y[TOKEN_PAIR][2];                       /* otherwise: the sums times the weights' factors */
+        for (int c = 0; c < 2; c++) {
+            for (int j = 0; j < 4; j++) {
+                const __m256i w0 = _mm256_load_si256(wq + 2 * (4 * c + j));
+                const __m256i w1 = _mm256_load_si256(wq + 2 * (4 * c + j) + 1);
+                for (int i = 0; i < tt; i++) {
                     int32_t quad;
-                    memcpy(&quad, quads + 4 * (4 * c + j), sizeof quad);
+                    memcpy(&quad, flipped + (t + i) * k + g * KQ_GROUP + 4 * (4 * c + j), sizeof quad);
                     const __m256i x = _mm256_set1_epi32(quad);
-                    for (int h = 0; h < 2; h++) p[j][h] = _mm256_maddubs_epi16(x, wq[2 * (4 * c + j) + h]);
-                }
-                for (int h = 0; h < 2; h++) {
-                    const int64_t at = (g * 2 + c) * KQ_ROWS + 8 * h;
-                    __m256i d = width == CODES_6BIT
-                        ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0][h], p[1][h]), ones),
-                                           _mm256_madd_epi16(_mm256_add_epi16(p[2][h], p[3][h]), ones))
-                        : _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0][h], p[1][h]),
-                                                             _mm256_add_epi16(p[2][h], p[3][h])), ones);
-                    d = _mm256_sub_epi32(d, _mm256_loadu_si256((const __m256i *)(u->offset + at)));
-                    if (has_offset) d = _mm256_add_epi32(d, _mm256_set1_epi32(a->start[2 * v + c]));
-                    dot[c][h] = d;
+                    const __m256i p0 = _mm256_maddubs_epi16(x, w0), p1 = _mm256_maddubs_epi16(x, w1);
+                    __m256i *to = bits == 6 && j >= 2 ? hi[i] : lo[i];
+                    const int first = bits == 6 && j >= 2 ? j == 2 : j == 0 && (c == 0 || !merge16);
+                    to[0] = first ? p0 : _mm256_add_epi16(to[0], p0);
+                    to[1] = first ? p1 : _mm256_add_epi16(to[1], p1);
                 }
             }
-            const __m256 dx = _mm256_set1_ps(a->scale[v]);
-            __m256 *acc[2] = {&acc0, &acc1};
-            for (int h = 0; h < 2; h++) {
-                const int64_t at0 = g * 2 * KQ_ROWS + 8 * h, at1 = at0 + KQ_ROWS;
-                const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][h]), _mm256_loadu_ps(u->scale + at1),
-                                                 _mm256_mul_ps(_mm256_cvtepi32_ps(dot[0][h]),
-                                                               _mm256_loadu_ps(u->scale + at0)));
-                *acc[h] = _mm256_fmadd_ps(y, dx, *acc[h]);
-                if (has_min) {
-                    *acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(u->bias + at0), _mm256_set1_ps(a->sum[2 * v]), *acc[h]);
-                    *acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(u->bias + at1), _mm256_set1_ps(a->sum[2 * v + 1]),
-                                              *acc[h]);
+            if (merge16 && c == 0) continue;
+            for (int i = 0; i < tt; i++) {
+                const int64_t v = (t + i) * a->groups + g;
+                for (int h = 0; h < 2; h++) {
+                    const int64_t at = (g * 2 + c) * KQ_ROWS + 8 * h;
+                    __m256i d = _mm256_madd_epi16(lo[i][h], ones);
+                    if (bits == 6) d = _mm256_add_epi32(d, _mm256_madd_epi16(hi[i][h], ones));
+                    d = _mm256_sub_epi32(d, _mm256_loadu_si256((const __m256i *)(u->offset + at)));
+                    if (merge16) d = _mm256_sub_epi32(d, _mm256_loadu_si256((const __m256i *)(u->offset + at - KQ_ROWS)));
+                    if (has_offset)
+                        d = _mm256_add_epi32(d, _mm256_set1_epi32(merge16 ? a->start[2 * v] + a->start[2 * v + 1]
+                                                                          : a->start[2 * v + c]));
+                    if (one_sub) {
+                        dot[i][h] = c == 0 || merge16 ? d : _mm256_add_epi32(dot[i][h], d);
+                    } else {
+                        const __m256 f = _mm256_cvtepi32_ps(d), scale = _mm256_loadu_ps(u->scale + at);
+                        y[i][h] = c == 0 ? _mm256_mul_ps(f, scale) : _mm256_fmadd_ps(f, scale, y[i][h]);
+                    }
                 }
             }
         }
-        store8(out, t * n + row0, acc0, n - row0, is_bf16);
-        store8(out, t * n + row0 + 8, acc1, n - row0 - 8, is_bf16);
+        for (int i = 0; i < tt; i++) {
+            const int64_t v = (t + i) * a->groups + g;
+            const __m256 dx = _mm256_set1_ps(a->scale[v]);
+            for (int h = 0; h < 2; h++) {
+                const int64_t at0 = g * 2 * KQ_ROWS + 8 * h, at1 = at0 + KQ_ROWS;
+                if (one_sub) y[i][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_loadu_ps(u->scale + at0));
+                acc[i][h] = _mm256_fmadd_ps(y[i][h], dx, acc[i][h]);
+                if (has_min) {
+                    const __m256 bias[2] = {_mm256_loadu_ps(u->bias + at0), _mm256_loadu_ps(u->bias + at1)};
+                    acc[i][h] = min_term(acc[i][h], bias, a->sum + 2 * v, one_sub);
+                }
+            }
+        }
     }
+    for (int i = 0; i < tt; i++) {
+        store8(out, (t + i) * n + row0, acc[i][0], n - row0, is_bf16);
+        store8(out, (t + i) * n + row0 + 8, acc[i][1], n - row0 - 8, is_bf16);
+    }
+}
+
+/* Every token's 16 rows from row0 of one unpacked block, in pairs. */
+static inline __attribute__((always_inline)) void block_tokens(const UnpackedBlock *u, const HalfActivations *a,
+                                                               const uint8_t *flipped, int64_t k, int64_t tokens,
+                                                               void *out, int64_t n, int64_t row0, int is_bf16,
+                                                               const int bits, const int one_sub, const int has_offset,
+                                                               const int has_min) {
+    int64_t t = 0;
+    for (; t + TOKEN_PAIR <= tokens; t += TOKEN_PAIR)
+        block_tile(u, a, flipped, k, t, TOKEN_PAIR, out, n, row0, is_bf16, bits, one_sub, has_offset, has_min);
+    if (t < tokens) block_tile(u, a, flipped, k, t, 1, out, n, row0, is_bf16, bits, one_sub, has_offset, has_min);
 }
 
 /* The prefill form for codes of up to 6 bits (see above); 0 when out of memory. */
@@ -673,13 +721,17 @@ static int unpacked_matmul(const KQuantWeight *w, const HalfActivations *a, void
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
             unpack_block(w, b, groups, &u);
-            switch (form) {
-#define TOKENS_CASE(WIDTH, OFFSET, MIN)                                                                      \
-                case FORM(WIDTH, OFFSET, MIN):                                                               \
-                    block_tokens(&u, a, flipped, k, tokens, out, n, b * KQ_ROWS, is_bf16, WIDTH, OFFSET, MIN); \
+            /* each form compiled on its own: code bits, one sub-scale, offset, min term */
+            switch (((w->bits - 4) * 2 + (w->sub_size == 32)) * 4 + (form & 3)) {
+#define TOKENS_CASE(BITS, ONE_SUB, OFFSET, MIN)                                                           \
+                case ((BITS - 4) * 2 + ONE_SUB) * 4 + OFFSET * 2 + MIN:                                     \
+                    block_tokens(&u, a, flipped, k, tokens, out, n, b * KQ_ROWS, is_bf16, BITS, ONE_SUB, OFFSET, MIN); \
                     break;
-                TOKENS_CASE(0, 0, 0) TOKENS_CASE(0, 0, 1) TOKENS_CASE(0, 1, 0) TOKENS_CASE(0, 1, 1)
-                TOKENS_CASE(1, 0, 0) TOKENS_CASE(1, 0, 1) TOKENS_CASE(1, 1, 0) TOKENS_CASE(1, 1, 1)
+#define TOKENS_CASES(BITS, ONE_SUB) TOKENS_CASE(BITS, ONE_SUB, 0, 0) TOKENS_CASE(BITS, ONE_SUB, 0, 1) \
+                                    TOKENS_CASE(BITS, ONE_SUB, 1, 0) TOKENS_CASE(BITS, ONE_SUB, 1, 1)
+                TOKENS_CASES(4, 0) TOKENS_CASES(4, 1) TOKENS_CASES(5, 0) TOKENS_CASES(5, 1)
+                TOKENS_CASES(6, 0) TOKENS_CASES(6, 1)
+#undef TOKENS_CASES
 #undef TOKENS_CASE
             }
         }
