@@ -375,7 +375,8 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
    1B model's gate/up weight (2048 x 16384) took, in Q4_K / Q6_K: 1.25 / 1.68 ms at one token
    against 4.43 ms for bf16 F.linear, and 92 / 79 ms at 256 tokens against 835 ms in bf16 and
    177 ms in fp32 (`carpool bench quant`, BENCHMARKS.md "Kernels"); with the tokens in pairs
-   (block_tile) Q4_K's took 76 ms at 256 tokens against 87 before, on another Zen 3. */
+   (block_tile) a 1B up projection (8192 x 2048) in Q4_K took 37.1 ms at 256 tokens against 43.7
+   before, on another Zen 3 (benchmarks/ab_kernel_shapes.py). */
 
 #define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
 

@@ -44,7 +44,7 @@
 #define ROWS 16 /* output rows per block: one zmm lane each */
 #define TILE 4  /* AVX2: tokens per pass over a block, their accumulators in registers */
 #define UNPACK_FROM 8  /* AVX2 int4: tokens from which a block's codes are unpacked once a call (avx2_int4_tokens);
-                          at 5-7 tokens the packed codes in tiles of TILE measured 1.09-1.18x faster (Zen 3) */
+                          at 5-7 tokens the packed codes in tiles of TILE measured 1.08-1.13x faster (Zen 3) */
 
 #define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
 #ifndef AMX_FROM_TOKENS
