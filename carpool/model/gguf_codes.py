@@ -459,7 +459,7 @@ def encode_q4_1(w: np.ndarray) -> QuantCodes:
 class PackedCodes:
     """QuantCodes in csrc/kquant.c's blocks of 16 rows (B = ceil(N / 16), G = K / 32); contiguous."""
     lo: np.ndarray  # uint8 [B, G, 4, 16, 4]: codes' low nibbles, channels 16.. of a group in the high ones
-    hi: np.ndarray | None  # uint8 [B, G, bits - 4, 8, 8]: bit planes 4.. as 64-bit masks over lo's bytes
+    hi: np.ndarray | None  # uint8 [B, G, bits - 4, 8, 8]: the codes' bits 4.., in fields over lo's bytes
     sc: np.ndarray | None  # int8 [B, G, 32 / sub_size, 16]
     mn: np.ndarray | None  # int8 [B, G, 32 / sub_size, 16]
     d: np.ndarray  # float16 [B, K / S, 16]
@@ -486,9 +486,10 @@ def pack(c: QuantCodes) -> PackedCodes:
     are packed from their blocks by csrc/kpack.c where the C library is built (the same bytes).
 
     lo[b, g, j, r, c] = (q[16b + r, 32g + 4j + c] & 15) | (q[16b + r, 32g + 16 + 4j + c] & 15) << 4,
-    carpool.model.quant.pack_int4's layout. hi[b, g, p, j] (8 bytes) is a little-endian uint64
-    whose bit i is bit 4 + p of the code lo[b, g, j % 4] holds at byte i (in its low nibble for
-    j < 4, its high one for j >= 4): row 16b + i // 4, channel 32g + 16 (j // 4) + 4 (j % 4) + i % 4.
+    carpool.model.quant.pack_int4's layout. With P = bits - 4 (1 or 2), hi[b, g, v] (64 bytes)
+    holds at byte i, bits P s .. P s + P - 1, the bits 4.. of the code lo[b, g, j % 4] holds at
+    byte i (in its low nibble for j < 4, its high one for j >= 4), j = 8v / P + s: row
+    16b + i // 4, channel 32g + 16 (j // 4) + 4 (j % 4) + i % 4.
     sc, mn[b, g, u, r] = sc, mn[16b + r, G' g + u] (G' = 32 / sub_size sub-scales a group);
     d, dmin[b, s, r] = d, dmin[16b + r, s]."""
     n, k = c.shape
@@ -511,10 +512,11 @@ def pack(c: QuantCodes) -> PackedCodes:
     lo = np.ascontiguousarray(nibbles.reshape(b, ROWS, g, 4, 4).transpose(0, 2, 3, 1, 4))
     hi = None
     if c.bits > 4:
-        # [B, G, half * 4 + quad, row * 4 + c]: mask j's 64 bits in lo's byte order
-        top = (rows >> 4).reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(b, g, 8, 64)
-        planes = [np.packbits(top & (1 << p), axis=-1, bitorder="little") for p in range(c.bits - 4)]
-        hi = np.ascontiguousarray(np.stack(planes, axis=2))
+        planes = c.bits - 4
+        # [B, G, v, s, row * 4 + c]: code vector j = 8v / P + s (half * 4 + quad) in lo's byte order
+        top = (rows >> 4).reshape(b, ROWS, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(b, g, planes, 8 // planes, 64)
+        fields = top << (planes * np.arange(8 // planes, dtype=np.uint8))[:, None]
+        hi = np.ascontiguousarray(np.bitwise_or.reduce(fields, axis=3).reshape(b, g, planes, 8, 8))
     return PackedCodes(lo=lo, hi=hi, sc=per_sub(c.sc), mn=per_sub(c.mn), d=per_super(c.d), dmin=per_super(c.dmin),
                        n=n, k=k, bits=c.bits, offset=c.offset, super_size=c.super_size, lookup=c.lookup,
                        sub_size=c.sub_size)
@@ -548,9 +550,9 @@ def unpack(p: PackedCodes) -> QuantCodes:
     else:
         q = np.stack((p.lo & 15, p.lo >> 4), axis=2)  # [B, G, half, quad, row, c]
     if p.hi is not None:
-        bits = np.unpackbits(p.hi, axis=-1, bitorder="little").reshape(b, g, -1, 2, 4, ROWS, 4)
-        for plane in range(bits.shape[2]):
-            q |= bits[:, :, plane] << (4 + plane)
+        planes = p.hi.shape[2]
+        fields = p.hi.reshape(b, g, planes, 1, 64) >> (planes * np.arange(8 // planes, dtype=np.uint8))[:, None]
+        q |= (fields & ((1 << planes) - 1)).reshape(b, g, 2, 4, ROWS, 4) << 4
     q = q.transpose(0, 4, 1, 2, 3, 5).reshape(b * ROWS, p.k)[:p.n]
     per_sub = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 3, 1, 2).reshape(b * ROWS, -1)[:p.n])
     per_super = lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1).reshape(b * ROWS, -1)[:p.n])

@@ -117,9 +117,8 @@ def test_unpack_inverts_pack_and_padding_is_zero(qtype, n, blocks, seed):
             assert getattr(packed, name) is None or not getattr(packed, name)[-1, ..., last:].any()
         for name in ("d", "dmin"):
             assert getattr(packed, name) is None or not getattr(packed, name)[-1, :, last:].view(np.uint16).any()
-        if packed.hi is not None:  # no mask bit of rows n..: bit i is row i // 4
-            masks = packed.hi[-1].reshape(-1, 8).copy().view("<u8")
-            assert not (masks >> np.uint64(4 * last)).any()
+        if packed.hi is not None:  # no field of rows n..: byte i is row i // 4's
+            assert not packed.hi[-1].reshape(k // 32, -1, 64)[..., 4 * last:].any()
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -133,11 +132,13 @@ def test_pack_follows_the_layout_formulas(qtype):
     want = (q[16 * b + r, 32 * g + 4 * j + ch] & 15) | ((q[16 * b + r, 32 * g + 16 + 4 * j + ch] & 15) << 4)
     np.testing.assert_array_equal(p.lo, want)
     if c.bits > 4:
-        masks = np.ascontiguousarray(p.hi).view("<u8")[..., 0]  # [B, G, plane, j]
-        b, g, plane, j, i = np.indices(masks.shape + (64,))
+        planes = c.bits - 4
+        fields = p.hi.reshape(*p.hi.shape[:3], 64)  # [B, G, v, byte]
+        b, g, v, i, s = np.indices(fields.shape + (8 // planes,))
+        j = 8 * v // planes + s
         col = np.where(j < 4, 4 * j + i % 4, 16 + 4 * (j - 4) + i % 4)
-        want = (q[16 * b + i // 4, 32 * g + col] >> (4 + plane)) & 1
-        np.testing.assert_array_equal((masks[..., None] >> i.astype(np.uint64)) & np.uint64(1), want)
+        want = q[16 * b + i // 4, 32 * g + col] >> 4
+        np.testing.assert_array_equal((fields[..., None] >> (planes * s)) & ((1 << planes) - 1), want)
     for name in ("sc", "mn"):
         if getattr(c, name) is not None:
             full = np.concatenate([getattr(c, name), np.zeros((-n % 16, k // c.sub_size), np.int8)])

@@ -26,10 +26,6 @@
 
 #include "kernels.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #define PACK_ROWS 16
 #define PACK_GROUP 32
 
@@ -171,21 +167,9 @@ static void decode_block(const BlockType *t, const uint8_t *b, const uint8_t *iq
     }
 }
 
-/* Bit `bit` (4..7) of 32 codes, code i's at bit i. */
-static inline uint32_t code_bits(const uint8_t *q, int bit) {
-#if defined(__AVX2__)
-    /* 16-bit shifts: a byte's bit 7 comes from its own bits (the shift is at most 3) */
-    const __m256i v = _mm256_loadu_si256((const __m256i *)q);
-    return (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - bit)));
-#else
-    uint32_t out = 0;
-    for (int i = 0; i < 32; i++) out |= (uint32_t)((q[i] >> bit) & 1) << i;
-    return out;
-#endif
-}
-
 /* Codes of one row's group of 32 channels into the block's layout at row r: lo (4-bit plane or,
-   for 8 bits, the bytes) and the bit planes 4.. of hi, OR-ed in (other rows share its bytes). */
+   for 8 bits, the bytes) and the codes' bits 4.. in hi's fields, OR-ed in (gguf_codes.py's pack
+   gives the layout); row r's bytes are 4r .. 4r + 3 of each 64. */
 static inline void write_group(const uint8_t *q, int r, int bits, uint8_t *lo, uint8_t *hi) {
     if (bits == 8) {
         for (int j = 0; j < 8; j++) memcpy(lo + 64 * j + 4 * r, q + 4 * j, 4);
@@ -194,11 +178,11 @@ static inline void write_group(const uint8_t *q, int r, int bits, uint8_t *lo, u
     for (int j = 0; j < 4; j++)
         for (int c = 0; c < 4; c++)
             lo[64 * j + 4 * r + c] = (uint8_t)((q[4 * j + c] & 15) | (q[16 + 4 * j + c] & 15) << 4);
-    for (int p = 0; p < bits - 4; p++) {  /* mask j, bit 4r + c: channel 4j + c */
-        const uint32_t plane = code_bits(q, 4 + p);
-        for (int j = 0; j < 8; j++)
-            hi[64 * p + 8 * j + r / 2] |= (uint8_t)(((plane >> (4 * j)) & 15) << (4 * (r & 1)));
-    }
+    const int planes = bits - 4;
+    for (int j = 0; planes > 0 && j < 8; j++)  /* quad j: channels 16 (j / 4) + 4 (j % 4) + c */
+        for (int c = 0; c < 4; c++)
+            hi[64 * (j * planes / 8) + 4 * r + c] |=
+                (uint8_t)((q[16 * (j / 4) + 4 * (j % 4) + c] >> 4) << (planes * (j % (8 / planes))));
 }
 
 /* d * offset in fp16 (offset a power of two): exact, or inf past fp16's range. */

@@ -10,10 +10,14 @@
    file's own, so Q4_K's per-32 scales are not held twice; absent: 1); d, m
    fp16 per row and super-block of 32 or 256 channels (m absent: no min term). The 4-bit plane
    is quant_gemv.c's int4 layout (16 output rows per block, 4 channels of every row per 64 bytes;
-   a group of 32 channels in 256 bytes, its second 16 in the high nibbles); 5 and 6 bits add one
-   or two bit planes of 64 bytes per group (bit i of mask j is byte i of the group's j-th 64 bytes
-   of codes, once unpacked); 8 bits store the codes as bytes, 512 per group (quant_gemv.c's
-   int8 layout). Unpacked, a group is 8 vectors of 64 bytes, vector j holding channels
+   a group of 32 channels in 256 bytes, its second 16 in the high nibbles); 5 and 6 bits add
+   their top P = bits - 4 bits in P vectors of 64 bytes per group: byte i of vector k holds, at
+   bits P s .. P s + P - 1, those of byte i of the group's 64-byte code vector j = 8k / P + s, once
+   unpacked. One 16-bit shift moves a field to bit 4 and a mask keeps it (what the shift brings
+   over from the neighbouring byte falls outside the mask): 2-3 steps per 32 codes, where a 64-bit
+   mask per code vector and plane took 6 per plane with AVX2 (a 2-core Zen 3: a 1B model's Q6_K
+   LM head at one token 3.93 -> 2.48 ms, benchmarks/ab_kernel_shapes.py). 8 bits store the codes as bytes, 512 per
+   group (quant_gemv.c's int8 layout). Unpacked, a group is 8 vectors of 64 bytes, vector j holding channels
    4j .. 4j + 3 of the 16 rows, row r's at bytes 4r .. 4r + 3.
 
    Two ways to multiply, by token count:
@@ -148,10 +152,10 @@ static float kq_value(const KQuantWeight *w, int64_t row, int64_t c) {
         const uint8_t byte = w->lo[bg * 256 + j * 64 + r * 4 + within % 4];
         q = high ? byte >> 4 : byte & 15;
         if (w->lookup) q = IQ4_CODES[q];
-        const int64_t mask = high ? j + 4 : j, bit = r * 4 + within % 4;
-        for (int64_t p = 0; p < plane_count(w); p++) {
-            const uint8_t *plane = w->hi + (bg * plane_count(w) + p) * 64 + mask * 8;
-            q |= ((plane[bit / 8] >> (bit % 8)) & 1) << (4 + p);
+        const int64_t vec = high ? j + 4 : j, planes = plane_count(w);
+        if (planes) {
+            const uint8_t fields = w->hi[(bg * planes + vec * planes / 8) * 64 + r * 4 + within % 4];
+            q |= ((fields >> (planes * (vec % (8 / planes)))) & ((1 << planes) - 1)) << 4;
         }
     }
     const int64_t supers = w->k / w->super_size, s = c / w->super_size, sub = sub_at(w, bg, (int)(within / 16)) + r;
@@ -206,6 +210,21 @@ static int alloc_halves(int64_t tokens, int64_t k, HalfActivations *a) {
 
 #ifdef KQ_AVX512
 
+/* The top `planes` bits of a group's codes OR-ed onto q[8] (their fields: see the top). */
+static inline __attribute__((always_inline)) void group_top_bits(const KQuantWeight *w, int64_t bg, const int planes,
+                                                                 __m512i q[8]) {
+    const __m512i keep = _mm512_set1_epi8((char)(((1 << planes) - 1) << 4));
+    for (int v = 0; v < planes; v++) {
+        const __m512i fields = _mm512_loadu_si512(w->hi + (bg * planes + v) * 64);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8 / planes; s++) {
+            const int shift = 4 - planes * s, j = v * (8 / planes) + s;
+            const __m512i moved = shift >= 0 ? _mm512_slli_epi16(fields, shift) : _mm512_srli_epi16(fields, -shift);
+            q[j] = _mm512_or_si512(q[j], _mm512_and_si512(moved, keep));
+        }
+    }
+}
+
 /* A group's codes, unpacked to 8 vectors of bytes (see the top). */
 static inline __attribute__((always_inline)) void group_codes(const KQuantWeight *w, int64_t bg, __m512i q[8]) {
     if (w->bits == 8) {
@@ -223,16 +242,8 @@ static inline __attribute__((always_inline)) void group_codes(const KQuantWeight
         for (int j = 0; j < 8; j++) q[j] = _mm512_shuffle_epi8(table, q[j]);
         return;
     }
-    const int64_t planes = plane_count(w);
-    for (int64_t p = 0; p < planes; p++) {
-        const uint8_t *plane = w->hi + (bg * planes + p) * 64;
-        const __m512i bit = _mm512_set1_epi8((char)(16 << p));
-        for (int j = 0; j < 8; j++) {
-            __mmask64 mask;
-            memcpy(&mask, plane + j * 8, sizeof mask);
-            q[j] = _mm512_mask_add_epi8(q[j], mask, q[j], bit);
-        }
-    }
+    if (plane_count(w) == 1) group_top_bits(w, bg, 1, q);
+    else if (plane_count(w) == 2) group_top_bits(w, bg, 2, q);
 }
 
 /* Super-block s of block b's fp16 factors per row, as fp32: d, and m_sign * m (0 without a min). */
@@ -380,6 +391,21 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
 
 #define HALF_TILE 4  /* tokens per pass: 8 codes, 4 accumulators and the temporaries fill 16 ymm */
 
+/* The top `planes` bits of half h of a group's codes OR-ed onto q[8] (their fields: see the top). */
+static inline __attribute__((always_inline)) void half_top_bits(const KQuantWeight *w, int64_t bg, int h,
+                                                                const int planes, __m256i q[8]) {
+    const __m256i keep = _mm256_set1_epi8((char)(((1 << planes) - 1) << 4));
+    for (int v = 0; v < planes; v++) {
+        const __m256i fields = _mm256_loadu_si256((const __m256i *)(w->hi + (bg * planes + v) * 64 + 32 * h));
+#pragma GCC unroll 8
+        for (int s = 0; s < 8 / planes; s++) {
+            const int shift = 4 - planes * s, j = v * (8 / planes) + s;
+            const __m256i moved = shift >= 0 ? _mm256_slli_epi16(fields, shift) : _mm256_srli_epi16(fields, -shift);
+            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(moved, keep));
+        }
+    }
+}
+
 /* Half h of a group's codes (8 vectors of 32 bytes), 8-bit codes (and looked-up ones) as q - 128. */
 static inline __attribute__((always_inline)) void half_codes(const KQuantWeight *w, int64_t bg, int h, __m256i q[8]) {
     if (w->bits == 8) {
@@ -400,22 +426,8 @@ static inline __attribute__((always_inline)) void half_codes(const KQuantWeight 
         for (int j = 0; j < 8; j++) q[j] = _mm256_shuffle_epi8(values, q[j]);
         return;
     }
-    const int64_t planes = plane_count(w);
-    /* a mask's 32 bits to 32 bytes: byte i takes mask byte i / 8, then tests bit i % 8 */
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    for (int64_t p = 0; p < planes; p++) {
-        const uint8_t *plane = w->hi + (bg * planes + p) * 64;
-        const __m256i bit = _mm256_set1_epi8((char)(16 << p));
-        for (int j = 0; j < 8; j++) {
-            int32_t mask;
-            memcpy(&mask, plane + j * 8 + 4 * h, sizeof mask);
-            const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(mask), spread);
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
-            q[j] = _mm256_add_epi8(q[j], _mm256_and_si256(set, bit));
-        }
-    }
+    if (plane_count(w) == 1) half_top_bits(w, bg, h, 1, q);
+    else if (plane_count(w) == 2) half_top_bits(w, bg, h, 2, q);
 }
 
 /* group_scales for the 8 rows of half h. */
