@@ -182,8 +182,11 @@ class StepCostModel:
         them are in the window: a few ms of jitter is 70% of a lone decode and 1% of a full
         step, and a margin of 1.75x from served decodes held full steps to 70% of their target.
         The SLO policy sets it to half its target.
-    refit_every: observations between solves (a solve and its margin, numpy over the window, are
-        well under a ms of Python).
+    refit_every, refit_seconds: a solve waits for this many observations and for steps adding up
+        to this many seconds since the last. A solve and its margins (numpy over the window) take
+        a few tenths of a ms of Python, which after every 4th of a small model's ~5 ms decode steps
+        was a few percent of each step; a tenth of a second of steps holds it near 1%, and steps
+        of 25 ms or more still refit every 4th.
 
     Predictions follow the host's speed: the weights remember ~500 steps, but a shared host's
     speed drifts by 10% within minutes, so each kind's prediction is scaled by its recent steps'
@@ -206,6 +209,7 @@ class StepCostModel:
     quantile: float = 0.99
     window: int = 512
     refit_every: int = 4
+    refit_seconds: float = 0.1
     margin_from: float = 0.0
     weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
     num_observations: int = 0
@@ -223,7 +227,7 @@ class StepCostModel:
         self._num_recent = 0
         self._margins = {False: 1.0, True: 1.0}  # by whether a step carries a prefill chunk
         self._speeds = {False: 1.0, True: 1.0}  # likewise
-        self._pending = 0
+        self._pending, self._pending_seconds = 0, 0.0
 
     # ------------------------------------------------------------ predictions
     def predict(self, shape: BatchShape) -> float:
@@ -273,7 +277,8 @@ class StepCostModel:
         self.num_observations += 1
         self.max_tokens_seen = max(self.max_tokens_seen, shape.num_tokens)
         self._pending += 1
-        if self._pending >= self.refit_every or not self.ready:
+        self._pending_seconds += seconds
+        if (self._pending >= self.refit_every and self._pending_seconds >= self.refit_seconds) or not self.ready:
             self.refit()
 
     def seed(self, predict: Callable[[BatchShape], float], shapes: Iterable[BatchShape], weight: float = 1.0) -> int:
@@ -307,7 +312,7 @@ class StepCostModel:
 
     def refit(self) -> None:
         """Solve for the weights, then take each kind's speed and margin against them."""
-        self._pending = 0
+        self._pending, self._pending_seconds = 0, 0.0
         trace = float(np.trace(self._ata))
         if trace <= 0:
             return

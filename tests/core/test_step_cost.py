@@ -220,3 +220,16 @@ def test_the_margin_counts_a_step_once_per_stream_it_delays():
             seconds = true_time(shape)
         model.observe(shape, seconds)
     assert model.margin > 1.03  # the slow crowded steps' ratio, against a fit between the two kinds
+
+
+def test_short_steps_refit_once_per_tenth_of_a_second():
+    """A refit waits for refit_every steps and refit_seconds of them: 5 ms steps refit every 20th,
+    30 ms ones every 4th (what a solve costs stays near 1% of the steps' time)."""
+    for seconds, every in ((0.005, 20), (0.030, 4)):
+        model, refits = StepCostModel(), []
+        model.refit = lambda refit=model.refit: (refits.append(model.num_observations), refit())[1]
+        shape = BatchShape(decode_contexts=(200,), num_sampled=1)
+        for _ in range(8 + 5 * every):
+            model.observe(shape, seconds)
+        steady = [n for n in refits if n > 8]
+        assert len(steady) == 5 and all(b - a == every for a, b in zip(steady, steady[1:]))
