@@ -560,7 +560,7 @@ def _check_kq_tensors(kernel: str, tensors: KQTensors, n: int, k: int, bits: int
 
 
 class KQuantMatmul:
-    """x @ W.T for a weight in csrc/kquant.c's form (codes, bit planes, sub-scales, fp16 super-block
+    """x @ W.T for a weight in csrc/kquant.c's form (codes, their top bits, sub-scales, fp16 super-block
     factors; model/gguf_codes.py packs them). `lookup`: 4-bit codes standing for the IQ4 types'
     8-bit codes (gguf_codes.IQ4_CODES). The struct of pointers is built once."""
 

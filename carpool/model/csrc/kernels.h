@@ -194,7 +194,7 @@ typedef struct {
    `lookup`, q = IQ4_CODES[the stored 4-bit code] (the IQ4 types' table), an 8-bit code. `next`:
    the rows after these n, another part in its own form (a fused q/k/v whose v has wider codes). */
 typedef struct KQuantWeight {
-    const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the extra bit planes */
+    const uint8_t *lo, *hi;   /* the 4-bit plane (bits 8: the codes as bytes), the top bits' fields */
     const int8_t *sc, *mn;    /* per sub_size (16 or 32) input channels, or NULL (1) */
     const uint16_t *d, *m;    /* fp16 per super-block of input channels; m NULL: no min term */
     int64_t n, k, bits, offset, super_size, lookup, sub_size;

@@ -128,7 +128,8 @@ float int8_peak_gops(int num_threads) {
 
 static inline int64_t kq_groups(const KQuantWeight *w) { return w->k / KQ_GROUP; }
 
-/* Bytes of one group of one block: the 4-bit plane or the bytes, and the extra bit planes. */
+/* Bytes of one group of one block: the 4-bit plane or the bytes; and its codes' bits above 4, one
+   64-byte vector of fields each (see the top). */
 static inline int64_t code_bytes(const KQuantWeight *w) { return w->bits == 8 ? 512 : 256; }
 static inline int64_t plane_count(const KQuantWeight *w) { return w->bits == 8 ? 0 : w->bits - 4; }
 
