@@ -9,7 +9,7 @@
    super-block size, which of sc / mn / m it has) may be wider than the tensor's own: a fused
    projection (q, k, v; gate, up) is packed by one call per part into the same arrays, in the
    form gguf_codes.concat_rows gives the parts together:
-   - codes keep their value: a narrower code leaves the higher bit planes 0; the IQ4 types'
+   - codes keep their value: a narrower code leaves its higher bits 0; the IQ4 types'
      codes stay 4-bit table indices in a lookup form (all parts IQ4), else become 8-bit codes;
    - d and m repeat over smaller super-blocks (a K-quant's 256 channels over 32-channel ones),
      and sub-scales over smaller sub-blocks (Q4_K's per 32 channels beside Q6_K's per 16);

@@ -16,9 +16,9 @@
    unpacked. One 16-bit shift moves a field to bit 4 and a mask keeps it (what the shift brings
    over from the neighbouring byte falls outside the mask): 2-3 steps per 32 codes, where a 64-bit
    mask per code vector and plane took 6 per plane with AVX2 (a 2-core Zen 3: a 1B model's Q6_K
-   LM head at one token 3.93 -> 2.48 ms, benchmarks/ab_kernel_shapes.py). 8 bits store the codes as bytes, 512 per
-   group (quant_gemv.c's int8 layout). Unpacked, a group is 8 vectors of 64 bytes, vector j holding channels
-   4j .. 4j + 3 of the 16 rows, row r's at bytes 4r .. 4r + 3.
+   LM head at one token 3.93 -> 2.48 ms, benchmarks/ab_kernel_shapes.py). 8 bits store the codes
+   as bytes, 512 per group (quant_gemv.c's int8 layout). Unpacked, a group is 8 vectors of 64
+   bytes, vector j holding channels 4j .. 4j + 3 of the 16 rows, row r's at bytes 4r .. 4r + 3.
 
    Two ways to multiply, by token count:
    - few tokens (decode): the weights stream from memory once and nothing is reused, so bytes
