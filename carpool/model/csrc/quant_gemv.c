@@ -43,8 +43,8 @@
 #define GROUP 32
 #define ROWS 16 /* output rows per block: one zmm lane each */
 #define TILE 4  /* AVX2: tokens per pass over a block, their accumulators in registers */
-#define UNPACK_FROM 8  /* AVX2 int4: tokens from which a block's codes are unpacked once a call (avx2_int4_tokens);
-                          at 5-7 tokens the packed codes in tiles of TILE measured 1.08-1.13x faster (Zen 3) */
+#define UNPACK_FROM 5  /* AVX2 int4: tokens from which a block's codes are unpacked once a call (avx2_int4_tokens);
+                          at 2-4 tokens the packed codes in tiles of TILE measured faster (Zen 3) */
 
 #define TILE_TOKENS 16  /* tokens per AMX tile: AMX runs whole tiles, VNNI the rest */
 #ifndef AMX_FROM_TOKENS
@@ -571,7 +571,9 @@ static void unpack_int4(const uint8_t *codes, const uint16_t *scale, const uint1
 /* All tokens' 16 rows from row0 of one unpacked block; `flipped` holds the activations as q + 128,
    flipped once per call, not per block. The two halves are written out: as a loop over h the same
    code measured ~8% slower on Zen 1 (gcc 12), and so did two blocks per pass, each broadcast quad
-   serving four products. */
+   serving four products. Each quad is broadcast straight from `flipped` (one load): copied first
+   into an array, gcc stored the group's quads to the stack and read each back, and the product
+   ran 1.2x slower (Zen 3). */
 static void int4_tokens(const UnpackedInt4 *u, const Activations *a, const uint8_t *flipped, int64_t k,
                         int64_t tokens, void *out, int64_t n, int64_t row0, int is_bf16) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -579,12 +581,11 @@ static void int4_tokens(const UnpackedInt4 *u, const Activations *a, const uint8
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (int64_t g = 0; g < a->groups; g++) {
             const int64_t v = t * a->groups + g, i = g * ROWS;
-            int32_t quads[8];
-            memcpy(quads, flipped + t * k + g * GROUP, sizeof quads);
+            const float *quads = (const float *)(flipped + t * k + g * GROUP);
             const __m256i *w = u->codes + g * 16;
             __m256i pairs0 = _mm256_setzero_si256(), pairs1 = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                const __m256i x = _mm256_set1_epi32(quads[j]);
+                const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(quads + j));
                 pairs0 = _mm256_add_epi16(pairs0, _mm256_maddubs_epi16(x, w[2 * j]));
                 pairs1 = _mm256_add_epi16(pairs1, _mm256_maddubs_epi16(x, w[2 * j + 1]));
             }
