@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedulers", type=scheduler_list, default=scheduler_list("sarathi,vllm"))
     p.add_argument("--qps", type=positive_float, default=1.0)
     p.add_argument("--output", default="bench_results/fidelity")
+    p.add_argument("--real-runs", type=positive_int, default=1,
+                   help="serve the workload this many times per scheduler: each run after the first is compared "
+                        "with it as the simulations are (how far the engine's own latencies move between runs)")
     add_workload_args(p, lengths="uniform", num_requests=40, prompt_range=(64, 1024), output_range=(16, 128))
     add_engine_args(p)
     p.set_defaults(func=cmd_fidelity)

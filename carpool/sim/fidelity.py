@@ -22,6 +22,11 @@ It separates what the profile's shape gets wrong from how fast the host happened
 predicted times) and `requests.jsonl` every request (its queueing, TTFT and longest gap, real and
 simulated), to see where errors sit. The SLO-following sarathi runs at the engine's default
 target unless --target-tbt-ms is given.
+
+A latency is only as reproducible as the engine's own: near saturation a queue turns the host's
+jitter into whole steps of waiting, and one request more or less in a step moves a percentile of
+40 requests. `--real-runs 2` serves the workload again and compares the second run's latencies
+with the first's exactly as a simulation's are compared: the floor under the latency errors.
 """
 
 from __future__ import annotations
@@ -167,22 +172,10 @@ def busy_fraction(step_seconds: list[float], duration: float) -> float | None:
     return float(sum(step_seconds) / duration) if duration > 0 else None
 
 
-def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args) -> dict:
-    """The profile's predictions, and the online fit's (`sarathi:dynamic`: the engine's own
-    policy seeded from the profile; its simulation starts from the same seed)."""
-    from carpool.core.scheduler import make_scheduler
-
-    scheduler, budget = spec.name, spec.budget or args.max_num_batched_tokens
-    ref = reference_decode_time(cost)
-    target = None
-    dynamic = {}
-    if spec.dynamic:
-        target = (args.target_tbt_ms or DEFAULT_TARGET_TBT_MS) / 1e3  # the engine's own default
-        fit, sizes = seeded_step_cost(cost, budget, engine.max_model_len)
-        dynamic = dict(target_tbt=target, cost=fit, chunk_sizes=sizes)
-    engine.scheduler = make_scheduler(scheduler, engine.block_manager, budget, args.max_num_seqs,
-                                      engine.max_model_len, **dynamic)
-    specs = build_workload(workload_config(args, args.qps), PromptSource.from_tokenizer(engine.tokenizer))
+def serve(engine: LLMEngine, new_scheduler, specs) -> tuple:
+    """One real run of the workload under a fresh scheduler, the prefix cache cold (the driver's
+    warm-up empties it): the run, its steps' stats and their shapes."""
+    engine.scheduler = new_scheduler()
     shapes: list[BatchShape] = []
     driver = InProcessDriver(engine)
     driver.warmup()
@@ -193,8 +186,32 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
         steps = list(engine.iteration_stats)[start:]
     finally:
         stop_recording()
+    return run, steps, shapes[-len(steps):]
+
+
+def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args) -> dict:
+    """The profile's predictions, and the online fit's (`sarathi:dynamic`: the engine's own
+    policy seeded from the profile; its simulation starts from the same seed). With
+    `--real-runs` above 1 the engine serves the workload again, and each further run's latencies
+    are compared with the first's as a simulation's are: the spread the engine itself shows."""
+    from carpool.core.scheduler import make_scheduler
+
+    scheduler, budget = spec.name, spec.budget or args.max_num_batched_tokens
+    ref = reference_decode_time(cost)
+    target = (args.target_tbt_ms or DEFAULT_TARGET_TBT_MS) / 1e3 if spec.dynamic else None  # the engine's default
+
+    def new_scheduler():  # each run's SLO-following budget starts from the profile's seed, as the engine's does
+        dynamic = {}
+        if spec.dynamic:
+            fit, sizes = seeded_step_cost(cost, budget, engine.max_model_len)
+            dynamic = dict(target_tbt=target, cost=fit, chunk_sizes=sizes)
+        return make_scheduler(scheduler, engine.block_manager, budget, args.max_num_seqs, engine.max_model_len,
+                              **dynamic)
+
+    specs = build_workload(workload_config(args, args.qps), PromptSource.from_tokenizer(engine.tokenizer))
+    run, steps, shapes = serve(engine, new_scheduler, specs)
+    again = [serve(engine, new_scheduler, specs) for _ in range(args.real_runs - 1)]
     measured = [s.duration for s in steps]
-    shapes = shapes[-len(steps):]
     predicted = [step_time(cost, sh) for sh in shapes]
     online, fit = one_step_ahead(cost, shapes, measured, budget, engine.max_model_len)
     at_speed = speed_followed(predicted, measured, shapes)
@@ -215,12 +232,15 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     fitted_summary = summarize(timelines(fitted_sim), fitted_steps, decode_time=ref)[0]
     speed_summary = summarize(timelines(speed_sim), speed_steps, decode_time=ref)[0]
     real_busy = busy_fraction(measured, real_summary.duration)
+    again_summaries = [(summarize(r.timelines, r.iterations, decode_time=ref)[0], st) for r, st, _ in again]
     return {
         "scheduler": spec.label,
         "steps": [step_record(*record)
                   for record in zip(shapes, measured, idle_before(steps), predicted, online, at_speed)],
         "requests": request_records(run.timelines, {"profile": timelines(sim), "online": timelines(fitted_sim),
-                                                    "profile_at_speed": timelines(speed_sim)}),
+                                                    "profile_at_speed": timelines(speed_sim),
+                                                    **{f"real_run_{i + 2}": r.timelines
+                                                       for i, (r, _, _) in enumerate(again)}}),
         "iterations": len(steps),
         **errors_by_kind(predicted, measured, shapes),
         "iteration_time_real_s": float(np.sum(measured)),
@@ -240,6 +260,10 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
                                                                                     speed_summary.duration)},
                              "run_speed": {"prefill": run_speed.speeds[True], "decode": run_speed.speeds[False]}},
         "slo_unreachable_iterations": sum(bool(s.slo_unreachable) for s in steps),
+        "real_again": [{"iterations": len(st), "latency": latency_errors(real_summary, summary),
+                        "busy": {"real": real_busy, "simulated": busy_fraction([x.duration for x in st],
+                                                                                summary.duration)}}
+                       for summary, st in again_summaries],
     }
 
 
@@ -261,17 +285,22 @@ def run_fidelity(config, args) -> dict:
              "TTFT P99 real / sim (err) | TBT P50 real / sim (err) | TBT P99 real / sim (err) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        for label, e in ((f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"]),
-                         (f"{r['scheduler']}, profile at the host's speed", r["profile_at_speed"])):
+        rows = [(f"{r['scheduler']}, profile", r), (f"{r['scheduler']}, online fit", r["online"]),
+                (f"{r['scheduler']}, profile at the host's speed", r["profile_at_speed"]),
+                *((f"{r['scheduler']}, the engine again (run {i + 2})", e) for i, e in enumerate(r["real_again"]))]
+        for label, e in rows:
             cells = []
             for key in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"):
                 v = e["latency"][key]
                 cells.append(f"{v['real'] * 1e3:.0f} / {v['simulated'] * 1e3:.0f} ms ({v['error']:+.0%})")
-            bias = " / ".join("-" if b is None else f"{b:+.1%}"
-                              for b in (e["prefill_iteration_bias"], e["decode_iteration_bias"]))
             busy = " / ".join("-" if b is None else f"{b:.0%}" for b in (e["busy"]["real"], e["busy"]["simulated"]))
-            lines.append(f"| {label} | {r['iterations']} | {e['iteration_error_p50']:.1%} / "
-                         f"{e['iteration_error_p90']:.1%} | {bias} | {busy} | " + " | ".join(cells) + " |")
+            if "iteration_error_p50" in e:
+                bias = " / ".join("-" if b is None else f"{b:+.1%}"
+                                  for b in (e["prefill_iteration_bias"], e["decode_iteration_bias"]))
+                steps = f"{r['iterations']} | {e['iteration_error_p50']:.1%} / {e['iteration_error_p90']:.1%} | {bias}"
+            else:  # a repeat of the real run: its latencies against the first run's, as a simulation's are
+                steps = f"{e['iterations']} | - | -"
+            lines.append(f"| {label} | {steps} | {busy} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     print(table)

@@ -147,7 +147,7 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
     out = tmp_path / "fidelity"
     assert main(["fidelity", "--profile", str(profile), "--model", tiny_model, *TINY,
                  "--schedulers", "sarathi,vllm,sarathi:dynamic", "--num-requests", "8", "--prompt-range", "16,200",
-                 "--output-range", "4,12", "--qps", "4", "--output", str(out)]) == 0
+                 "--output-range", "4,12", "--qps", "4", "--real-runs", "2", "--output", str(out)]) == 0
     results = json.loads((out / "fidelity.json").read_text())["results"]
     assert [r["scheduler"] for r in results] == ["sarathi", "vllm", "sarathi:dynamic"]
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
@@ -170,9 +170,17 @@ def test_profile_then_fidelity(tiny_model, tmp_path):
                 assert column["decode_iteration_bias"] == pytest.approx(statistics.median(decodes))
         requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
         mine = [q for q in requests if q["scheduler"] == r["scheduler"]]
-        columns = ("real", "profile", "online", "profile_at_speed")
+        columns = ("real", "profile", "online", "profile_at_speed", "real_run_2")
         assert len(mine) == 8 and all(q[k]["ttft_s"] > 0 for q in mine for k in columns)
         # the P99 of eight TTFTs is nearly the largest: the percentile comes from these records
         assert r["latency"]["ttft_p99"]["real"] <= max(q["real"]["ttft_s"] for q in mine) + 1e-9
+        # the second real run is compared with the first as a simulation is
+        (again,) = r["real_again"]
+        assert again["iterations"] > 0 and 0 < again["busy"]["simulated"] <= 1.01
+        p99 = again["latency"]["ttft_p99"]
+        assert p99["real"] == r["latency"]["ttft_p99"]["real"]
+        assert p99["simulated"] <= max(q["real_run_2"]["ttft_s"] for q in mine) + 1e-9
+        assert p99["error"] == pytest.approx(p99["simulated"] / p99["real"] - 1)
     table = (out / "fidelity.md").read_text()
     assert "| sarathi, profile |" in table and "| sarathi, profile at the host's speed |" in table
+    assert "| sarathi:dynamic, the engine again (run 2) |" in table
