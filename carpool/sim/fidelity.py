@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +41,14 @@ import numpy as np
 
 from carpool.config import DEFAULT_TARGET_TBT_MS
 from carpool.core.cost_profile import FittedCostModel
+from carpool.core.scheduler import Scheduler, make_scheduler
 from carpool.core.step_cost import (BatchShape, CostModel, StepCostModel, recent_speed, seeded_step_cost, speed_window,
                                     step_time)
 from carpool.engine import LLMEngine
 from carpool.harness.drivers import InProcessDriver
 from carpool.harness.metrics import summarize
 from carpool.harness.options import SchedulerSpec
-from carpool.harness.workload import PromptSource, build_workload
+from carpool.harness.workload import PromptSource, RequestSpec, build_workload
 from carpool.server.startup import startup_objects_frozen
 from carpool.sim.run import iterations, reference_decode_time, timelines, workload_config
 from carpool.sim.simulator import ReplicaConfig, simulate
@@ -172,7 +174,7 @@ def busy_fraction(step_seconds: list[float], duration: float) -> float | None:
     return float(sum(step_seconds) / duration) if duration > 0 else None
 
 
-def serve(engine: LLMEngine, new_scheduler, specs) -> tuple:
+def serve(engine: LLMEngine, new_scheduler: Callable[[], Scheduler], specs: list[RequestSpec]) -> tuple:
     """One real run of the workload under a fresh scheduler, the prefix cache cold (the driver's
     warm-up empties it): the run, its steps' stats and their shapes."""
     engine.scheduler = new_scheduler()
@@ -194,8 +196,6 @@ def compare(engine: LLMEngine, cost: FittedCostModel, spec: SchedulerSpec, args)
     policy seeded from the profile; its simulation starts from the same seed). With
     `--real-runs` above 1 the engine serves the workload again, and each further run's latencies
     are compared with the first's as a simulation's are: the spread the engine itself shows."""
-    from carpool.core.scheduler import make_scheduler
-
     scheduler, budget = spec.name, spec.budget or args.max_num_batched_tokens
     ref = reference_decode_time(cost)
     target = (args.target_tbt_ms or DEFAULT_TARGET_TBT_MS) / 1e3 if spec.dynamic else None  # the engine's default
