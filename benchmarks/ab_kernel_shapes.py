@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from gguf import GGUFReader
 from torch import nn
 
-from ab_kernels import CSRC, build_at
+from ab_kernels import load_at
 from carpool.model import cpu_kernels, gguf_codes, quant
 
 
@@ -59,12 +58,7 @@ def main() -> None:
         reader = GGUFReader(args.model)
         weights += [gguf_weight(reader, name) for name in args.tensors.split(",") if name]
     weights += [int4_weight(*map(int, shape.split("x"))) for shape in args.int4.split(",") if shape]
-    with tempfile.TemporaryDirectory() as tmp:
-        base = build_at(args.base, Path(tmp))
-        header = Path(tmp) / CSRC / "kernels.h"  # typed by its own header, as in ab_kernels.py
-        own = {name: (sig.returns, ", ".join(" ".join(arg) for arg in sig.args))
-               for name, sig in cpu_kernels.header_prototypes(header.read_text()).items()}
-        libs = {"base": cpu_kernels.load(base, own, header), "tree": cpu_kernels.load(cpu_kernels.build())}
+    libs = {"base": load_at(args.base), "tree": cpu_kernels.load(cpu_kernels.build())}
     active = ["base"]
     cpu_kernels.library = lambda: libs[active[0]]
     rows = []

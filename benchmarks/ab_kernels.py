@@ -16,6 +16,7 @@ do). Prints each round and the median ratio, and writes them as JSON with --outp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import subprocess
@@ -42,6 +43,17 @@ def build_at(rev: str, into: Path) -> Path:
     return lib
 
 
+def load_at(rev: str) -> ctypes.PyDLL:
+    """`rev`'s kernel library, loaded and typed by its own header: REV may lack an entry point the
+    tree added (one the tree's C calls, not its Python), and the tree's table would refuse it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build_at(rev, Path(tmp))
+        header = Path(tmp) / CSRC / "kernels.h"
+        own = {name: (sig.returns, ", ".join(" ".join(arg) for arg in sig.args))
+               for name, sig in cpu_kernels.header_prototypes(header.read_text()).items()}
+        return cpu_kernels.load(lib, own, header)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
@@ -54,14 +66,7 @@ def main() -> None:
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        base = build_at(args.base, Path(tmp))
-        # Typed by its own header: REV may lack an entry point the tree added (one the tree's C
-        # calls, not its Python), and the tree's table would refuse it.
-        header = Path(tmp) / CSRC / "kernels.h"
-        own = {name: (sig.returns, ", ".join(" ".join(arg) for arg in sig.args))
-               for name, sig in cpu_kernels.header_prototypes(header.read_text()).items()}
-        libs = {"base": cpu_kernels.load(base, own, header), "tree": cpu_kernels.load(cpu_kernels.build())}
+    libs = {"base": load_at(args.base), "tree": cpu_kernels.load(cpu_kernels.build())}
     engines, active = {}, ["base"]
     cpu_kernels.library = lambda: libs[active[0]]
     for name in libs:

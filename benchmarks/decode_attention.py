@@ -8,7 +8,7 @@ it is bound by memory, and a step's other work (the linears) does not grow with 
 Blocks are taken in order (`seq`, as a fresh engine hands them out) and scattered at random
 (`scattered`, as a long-running engine's free list leaves them). One KV cache per layer, of
 --blocks blocks, so a step reads from DRAM as the engine does. With --base REV the same calls
-alternate with REV's kernels (`ab_kernels.build_at`), the outputs compared bit for bit.
+alternate with REV's kernels (`ab_kernels.load_at`), the outputs compared bit for bit.
 The defaults are the embedded model's shape (SmolLM2-135M).
 """
 
@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from ab_kernels import CSRC, build_at
+from ab_kernels import load_at
 from carpool.model import cpu_kernels
 
 
@@ -44,12 +43,7 @@ def main() -> None:
 
     libs = {"tree": cpu_kernels.library()}
     if args.base:
-        with tempfile.TemporaryDirectory() as tmp:
-            base = build_at(args.base, Path(tmp))
-            header = Path(tmp) / CSRC / "kernels.h"
-            own = {name: (sig.returns, ", ".join(" ".join(arg) for arg in sig.args))
-                   for name, sig in cpu_kernels.header_prototypes(header.read_text()).items()}
-            libs = {"base": cpu_kernels.load(base, own, header), **libs}
+        libs = {"base": load_at(args.base), **libs}
     active = ["tree"]
     cpu_kernels.library = lambda: libs[active[0]]
 
