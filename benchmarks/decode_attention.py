@@ -8,7 +8,8 @@ it is bound by memory, and a step's other work (the linears) does not grow with 
 Blocks are taken in order (`seq`, as a fresh engine hands them out) and scattered at random
 (`scattered`, as a long-running engine's free list leaves them). One KV cache per layer, of
 --blocks blocks, so a step reads from DRAM as the engine does. With --base REV the same calls
-alternate with REV's kernels (`ab_kernels.load_at`), the outputs compared bit for bit.
+alternate with REV's kernels (`ab_kernels.load_at`), the outputs compared bit for bit (or, with
+--tolerance, within it: for a change of the sums' order).
 The defaults are the embedded model's shape (SmolLM2-135M).
 """
 
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=4096, help="KV blocks per layer's cache")
     ap.add_argument("--base", help="git revision whose kernels to alternate with")
+    ap.add_argument("--tolerance", type=float, default=0.0,
+                    help="largest difference allowed between the builds' outputs (0: bit for bit)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -72,12 +75,13 @@ def main() -> None:
                         if r:  # the first round warms
                             ms[name].append((time.perf_counter() - start) * 1e3)
                         outs[name] = out
-                if not all(torch.equal(outs["tree"], o) for o in outs.values()):
-                    raise SystemExit(f"the builds disagree at {n} decodes, context {ctx}")
+                differ = max((outs["tree"].float() - o.float()).abs().max().item() for o in outs.values())
+                if differ > args.tolerance:
+                    raise SystemExit(f"the builds differ by {differ:g} at {n} decodes, context {ctx}")
                 kv_bytes = n * ctx * kv * dim * 2 * 2 * args.layers  # K and V, bf16
                 macs = n * ctx * args.heads * dim * 2 * args.layers  # scores and the weighted sum
                 best = {name: min(v) for name, v in ms.items()}
-                row = {"decodes": n, "context": ctx, "blocks": order, "ms": ms,
+                row = {"decodes": n, "context": ctx, "blocks": order, "ms": ms, "max_difference": differ,
                        "kv_gb_per_s": kv_bytes / best["tree"] / 1e6, "gmac_per_s": macs / best["tree"] / 1e6}
                 line = (f"{n} decodes, context {ctx}, {order} blocks: {best['tree']:.2f} ms a step, "
                         f"KV {row['kv_gb_per_s']:.1f} GB/s, {row['gmac_per_s']:.1f} G multiply-adds/s")

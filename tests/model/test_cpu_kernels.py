@@ -72,7 +72,8 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
        seed=st.integers(0, 2**16))
 def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim, bf16, seed):
     """Bit for bit: alone, a decode's few KV heads split over the threads by block and by slices
-    of the head; in a batch of 8, each (sequence, KV head) is one thread's task."""
+    of the head; in a batch of 3, each (sequence, KV head) is one thread's task; in a batch of 8,
+    each sequence with all its KV heads."""
     gen = torch.Generator().manual_seed(seed)
     dtype, group = (torch.bfloat16 if bf16 else torch.float32), 3
     used = [-(-n // block) for n in lens]
@@ -85,6 +86,9 @@ def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim,
     torch.set_num_threads(2)
     try:
         batch = cpu_kernels.paged_decode_attention(q, cache, tables, torch.tensor(lens), 0.3, block)
+        three = cpu_kernels.paged_decode_attention(q[:3], cache, tables[:3].contiguous(), torch.tensor(lens[:3]), 0.3,
+                                                   block)
+        assert torch.equal(three, batch[:3])
         for i, n in enumerate(lens):
             alone = cpu_kernels.paged_decode_attention(q[i:i + 1], cache, tables[i:i + 1].contiguous(),
                                                        torch.tensor([n]), 0.3, block)
@@ -129,6 +133,43 @@ def test_paged_attention_runs_is_causal_over_each_context(seqs, block, kv_heads,
         want = naive(q[row:row + new].float(), cache[0, seq_slots].float(), cache[1, seq_slots].float(), cached, 0.3)
         torch.testing.assert_close(got[row:row + new].float(), want, rtol=tol, atol=tol)
         row += new
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(cached=st.lists(st.integers(0, 50), min_size=1, max_size=5), run=st.integers(2, 9),
+       block=st.sampled_from([5, 16]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_run_attends_as_its_tokens_decoded_one_at_a_time(cached, run, block, dim, bf16, seed):
+    """Bit for bit, as speculation's greedy equality needs: a verified draft's token (a run of
+    several queries, its last block partly visible to all but the last) and the same token as a
+    decode (its context cut at its own position), alone and in a batch."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, kv_heads, group = (torch.bfloat16 if bf16 else torch.float32), 3, 3
+    used = [-(-(c + run) // block) for c in cached]
+    cache = torch.randn(2, sum(used) * block, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(sum(used), generator=gen).tolist()
+    tables = torch.tensor([perm[sum(used[:i]):sum(used[:i + 1])] + [0] * (max(used) - used[i])
+                           for i in range(len(cached))])
+    slots = torch.cat([(tables[i, :, None] * block + torch.arange(block)).reshape(-1)[c:c + run]
+                       for i, c in enumerate(cached)])
+    tokens = run * len(cached)
+    q = torch.randn(tokens, kv_heads * group, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([c + run for c in cached])
+    ran = cpu_kernels.paged_attention_runs(q, k, v, cache, tables, lens, torch.arange(len(cached) + 1) * run, slots,
+                                           0.3, block)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for i in range(run):  # every sequence's i-th new token, decoded
+            rows = torch.arange(len(cached)) * run + i
+            decoded = cpu_kernels.paged_decode_attention(q[rows], cache, tables, lens - run + i + 1, 0.3, block)
+            assert torch.equal(decoded, ran[rows])
+            alone = cpu_kernels.paged_decode_attention(q[rows[:1]], cache, tables[:1].contiguous(),
+                                                       lens[:1] - run + i + 1, 0.3, block)
+            assert torch.equal(alone, ran[rows[:1]])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
