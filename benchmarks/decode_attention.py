@@ -7,7 +7,8 @@ A decode step's attention reads each decode's whole context of K and V once, so 
 it is bound by memory, and a step's other work (the linears) does not grow with the context.
 Blocks are taken in order (`seq`, as a fresh engine hands them out) and scattered at random
 (`scattered`, as a long-running engine's free list leaves them). One KV cache per layer, of
---blocks blocks, so a step reads from DRAM as the engine does. With --base REV the same calls
+--blocks blocks, so a step reads from DRAM as the engine does. The host's read rate (a sum over
+512 MiB) is taken after each row's rounds, so the kernel's rate is put beside the host's own. With --base REV the same calls
 alternate with REV's kernels (`ab_kernels.load_at`), the outputs compared bit for bit (or, with
 --tolerance, within it: for a change of the sums' order).
 The defaults are the embedded model's shape (SmolLM2-135M).
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ab_kernels import load_at
+from carpool.bench.hybrid import memory_rates
 from carpool.model import cpu_kernels
 
 
@@ -78,13 +80,16 @@ def main() -> None:
                 differ = max((outs["tree"].float() - o.float()).abs().max().item() for o in outs.values())
                 if differ > args.tolerance:
                     raise SystemExit(f"the builds differ by {differ:g} at {n} decodes, context {ctx}")
+                read_gb_per_s = memory_rates(3)[1]
                 kv_bytes = n * ctx * kv * dim * 2 * 2 * args.layers  # K and V, bf16
                 macs = n * ctx * args.heads * dim * 2 * args.layers  # scores and the weighted sum
                 best = {name: min(v) for name, v in ms.items()}
                 row = {"decodes": n, "context": ctx, "blocks": order, "ms": ms, "max_difference": differ,
-                       "kv_gb_per_s": kv_bytes / best["tree"] / 1e6, "gmac_per_s": macs / best["tree"] / 1e6}
+                       "kv_gb_per_s": kv_bytes / best["tree"] / 1e6, "gmac_per_s": macs / best["tree"] / 1e6,
+                       "host_read_gb_per_s": read_gb_per_s}
                 line = (f"{n} decodes, context {ctx}, {order} blocks: {best['tree']:.2f} ms a step, "
-                        f"KV {row['kv_gb_per_s']:.1f} GB/s, {row['gmac_per_s']:.1f} G multiply-adds/s")
+                        f"KV {row['kv_gb_per_s']:.1f} GB/s ({row['kv_gb_per_s'] / read_gb_per_s:.2f}x the host's "
+                        f"read rate, {read_gb_per_s:.1f} GB/s), {row['gmac_per_s']:.1f} G multiply-adds/s")
                 if args.base:
                     row["base_over_tree"] = statistics.median(b / t for b, t in zip(ms["base"], ms["tree"]))
                     line += f"; base {best['base']:.2f} ms, base/tree {row['base_over_tree']:.3f}"
