@@ -281,11 +281,23 @@ static inline __attribute__((always_inline)) void score_block_amx(
 #define IN_BLOCKS(dim) (IN_PLACE(dim) && (dim) % 16 == 0)  /* the per-row passes' order: theirs in place */
 #define QUERIES 3  /* query rows per pass: a GQA group of 3 shares one, larger groups take turns */
 
+/* Ask for the rows o0..o1 - 1 of the next block (`ahead_bytes` of each from `ahead`) while this
+   block's rows are worked on: a row or two at a time, so that the requests go out as the earlier
+   ones come back, instead of a block's worth at once stalling on the core's few misses in flight
+   (decode attention 1.20-1.38x faster at 4 and 16 decodes of context 800, from DRAM, against the
+   whole next block asked for at the start of each: Zen 3, two builds alternated). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes,
+                                                                 int64_t slot_bytes, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; o++)
+        for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead + o * slot_bytes + b);
+}
+
 static inline __attribute__((always_inline)) void score_queries(
         const float *qf, const int nq, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
-        float *scores, int64_t stride, float scale) {
+        float *scores, int64_t stride, float scale, const char *ahead, int64_t ahead_bytes) {
     for (int64_t o = 0; o < n; o += 2) {
         const char *r0 = first_row + o * slot_bytes, *r1 = o + 1 < n ? r0 + slot_bytes : r0;
+        prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 2);
         __m256 acc[QUERIES][2];
         for (int g = 0; g < nq; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < dim; d += 8) {
@@ -310,13 +322,14 @@ static inline __attribute__((always_inline)) void score_queries(
 
 static inline __attribute__((always_inline)) void accumulate_queries(
         float *acc, const float *p, int64_t stride, const int nq, const char *first_row, int64_t slot_bytes, int64_t n,
-        int is_bf16, int64_t dim, int64_t d_from, int64_t d_to) {
+        int is_bf16, int64_t dim, int64_t d_from, int64_t d_to, const char *ahead, int64_t ahead_bytes) {
     for (int64_t d = d_from; d < d_to; d += 16) {
         __m256 sum[QUERIES][2];
         for (int g = 0; g < nq; g++)
             for (int j = 0; j < 2; j++) sum[g][j] = _mm256_loadu_ps(acc + g * dim + d + 8 * j);
         for (int64_t o = 0; o < n; o++) {
             const char *row = first_row + o * slot_bytes;
+            if (d == d_from) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
             const __m256 v0 = load8f(row, is_bf16, d), v1 = load8f(row, is_bf16, d + 8);
             for (int g = 0; g < nq; g++) {
                 const __m256 weight = _mm256_set1_ps(p[g * stride + o]);
@@ -333,23 +346,28 @@ static inline __attribute__((always_inline)) void accumulate_queries(
    d_from..d_to - 1 of it), over the block's n rows for `queries` query rows. */
 static inline __attribute__((always_inline)) void score_block(
         const float *qf, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
-        int64_t queries, float *scores, int64_t stride, float scale) {
+        int64_t queries, float *scores, int64_t stride, float scale, const char *ahead, int64_t ahead_bytes) {
     for (int64_t g = 0; g < queries; g += QUERIES) {
         const float *q = qf + g * dim;
         float *s = scores + g * stride;
-        if (queries - g >= 3) score_queries(q, 3, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
-        else if (queries - g == 2) score_queries(q, 2, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
-        else score_queries(q, 1, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale);
+        const int64_t bytes = g ? 0 : ahead_bytes;  /* the first pass asks for the next block */
+#define SCORE(nq) score_queries(q, nq, first_row, slot_bytes, n, is_bf16, dim, s, stride, scale, ahead, bytes)
+        if (queries - g >= 3) SCORE(3);
+        else if (queries - g == 2) SCORE(2);
+        else SCORE(1);
+#undef SCORE
     }
 }
 
 static inline __attribute__((always_inline)) void accumulate_block(
         float *acc, const float *p, int64_t stride, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
-        int64_t dim, int64_t queries, int64_t d_from, int64_t d_to) {
+        int64_t dim, int64_t queries, int64_t d_from, int64_t d_to, const char *ahead, int64_t ahead_bytes) {
     for (int64_t g = 0; g < queries; g += QUERIES) {
         float *a = acc + g * dim;
         const float *pg = p + g * stride;
-#define ACCUMULATE(nq) accumulate_queries(a, pg, stride, nq, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to)
+        const int64_t bytes = g ? 0 : ahead_bytes;
+#define ACCUMULATE(nq) accumulate_queries(a, pg, stride, nq, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to, \
+                                          ahead, bytes)
         if (queries - g >= 3) ACCUMULATE(3);
         else if (queries - g == 2) ACCUMULATE(2);
         else ACCUMULATE(1);
@@ -364,6 +382,17 @@ static inline __attribute__((always_inline)) void accumulate_block(
 static inline void prefetch_rows(const char *first, int64_t rows, int64_t stride, int64_t row_bytes) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(first + r * stride + b);
+}
+
+/* Whether attend_kv_head takes a block whose last row is `last_row` with the AVX2 block passes,
+   which ask for the next block themselves as they go. */
+static inline int whole_block_passes(int64_t dim, int64_t last_row, int64_t first_run_row) {
+#ifdef AVX2_ROWS
+    return IN_BLOCKS(dim) && last_row <= first_run_row;
+#else
+    (void)dim, (void)last_row, (void)first_run_row;
+    return 0;
+#endif
 }
 
 /* The first `seen` (>= 1) scores of a row to probabilities, in place. */
@@ -410,8 +439,10 @@ static inline __attribute__((always_inline)) int attend_kv_head(
     for (int64_t first = 0; first < len; first += block_size) {
         const char *cached = k_head + table[first / block_size] * block_size * slot_bytes;
         const int64_t n = len - first < block_size ? len - first : block_size;
-        if (first + block_size < len) prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes,
-                                                    block_size, slot_bytes, dim * elem);
+        const char *next = first + block_size < len ? k_head + table[first / block_size + 1] * block_size * slot_bytes
+                                                    : NULL;
+        const int in_blocks = whole_block_passes(dim, first + n - 1, first_run_row);
+        if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
 #ifdef HAVE_ATTENTION_AMX
         if (amx) {
             score_block_amx(query_tiles, cached, slot_bytes, n, dim, rows, scores + first, len, scale, tile_sums);
@@ -424,8 +455,9 @@ static inline __attribute__((always_inline)) int attend_kv_head(
             continue;
         }
 #elif defined(AVX2_ROWS)
-        if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
-            score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale);
+        if (in_blocks) {
+            score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale, next,
+                        next ? dim * elem : 0);
             continue;
         }
 #endif
@@ -445,16 +477,19 @@ static inline __attribute__((always_inline)) int attend_kv_head(
     for (int64_t first = 0; first < len; first += block_size) {
         const char *cached = v_head + table[first / block_size] * block_size * slot_bytes;
         const int64_t n = len - first < block_size ? len - first : block_size;
-        if (first + block_size < len) prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes,
-                                                    block_size, slot_bytes, dim * elem);
+        const char *next = first + block_size < len ? v_head + table[first / block_size + 1] * block_size * slot_bytes
+                                                    : NULL;
+        const int in_blocks = whole_block_passes(dim, first + n - 1, first_run_row);
+        if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
 #ifdef __AVX512F__
         if (IN_BLOCKS(dim)) {
             accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows);
             continue;
         }
 #elif defined(AVX2_ROWS)
-        if (IN_BLOCKS(dim) && first + n - 1 <= first_run_row) {
-            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, 0, dim);
+        if (in_blocks) {
+            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, 0, dim, next,
+                             next ? dim * elem : 0);
             continue;
         }
 #endif
@@ -531,7 +566,7 @@ static int attend_few_decodes(const char *q, int64_t q_stride, char *out, int64_
                 prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes, block_size, slot_bytes,
                               row_bytes);
             score_block(qf + (s * num_kv_heads + h) * group * dim, k_head + table[first / block_size] * block_size *
-                        slot_bytes, slot_bytes, n, is_bf16, dim, group, SCORES(s, h) + first, len, scale);
+                        slot_bytes, slot_bytes, n, is_bf16, dim, group, SCORES(s, h) + first, len, scale, NULL, 0);
         }
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < tasks * group; row++) {
@@ -553,7 +588,7 @@ static int attend_few_decodes(const char *q, int64_t q_stride, char *out, int64_
                     prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes + d_from * elem,
                                   block_size, slot_bytes, width * elem);
                 accumulate_block(a, SCORES(s, h) + first, len, v_head + table[first / block_size] * block_size *
-                                 slot_bytes, slot_bytes, n, is_bf16, dim, group, d_from, d_from + width);
+                                 slot_bytes, slot_bytes, n, is_bf16, dim, group, d_from, d_from + width, NULL, 0);
             }
             for (int64_t g = 0; g < group; g++)
                 store_row(out + (s * out_stride + (h * group + g) * dim + d_from) * elem, is_bf16, width,
