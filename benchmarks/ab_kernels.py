@@ -8,7 +8,9 @@ minutes apart compare the minutes, not the kernels. Here the kernels of git revi
 of the working tree are each compiled (the flags `carpool.model.cpu_kernels` uses), an engine is
 loaded on each, and short greedy decodes run on one then the other, in turn, for many rounds
 (`--streams` at once: steps of that many tokens). With a long `--prompt-tokens` and `--tokens 1`
-each generation is a prefill, and the ratio compares the kernels' chunks.
+each generation is a prefill, and the ratio compares the kernels' chunks. The decode steps alone
+are timed too, from the last stream's first token to the end (every stream decoding), so that a
+long prompt's prefill does not hide them.
 Each engine runs with its own library (looked up per call, or bound at load as the fused layers
 do). Prints each round and the median ratio, and writes them as JSON with --output.
 """
@@ -77,7 +79,7 @@ def main() -> None:
                             enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + args.prompt_tokens))} for i in range(args.streams)]
-    ms, ids = {name: [] for name in libs}, {}
+    ms, decode_ms, ids = {name: [] for name in libs}, {name: [] for name in libs}, {}
     for name in libs:
         active[0] = name
         engines[name].generate(prompts, params, use_tqdm=False)  # warm
@@ -87,15 +89,27 @@ def main() -> None:
             start = time.perf_counter()
             out = engines[name].generate(prompts, params, use_tqdm=False)
             ms[name].append((time.perf_counter() - start) / args.tokens * 1e3)
+            if args.tokens > 1:
+                times = [o.metrics.token_times for o in out]
+                decoding = max(t[-1] for t in times) - max(t[0] for t in times)
+                decode_ms[name].append(decoding / (args.tokens - 1) * 1e3)
             ids[name] = [o.outputs[0].token_ids for o in out]
-        print(f"round {r}: base {ms['base'][-1]:.2f} ms a step, tree {ms['tree'][-1]:.2f}", flush=True)
+        print(f"round {r}: base {ms['base'][-1]:.2f} ms a token, tree {ms['tree'][-1]:.2f}"
+              + (f"; decode steps alone: base {decode_ms['base'][-1]:.2f} ms, tree {decode_ms['tree'][-1]:.2f}"
+                 if args.tokens > 1 else ""), flush=True)
     ratios = [b / t for b, t in zip(ms["base"], ms["tree"])]
+    decode_ratios = [b / t for b, t in zip(decode_ms["base"], decode_ms["tree"])]
     result = {"base": args.base, "model": args.model, "quantization": args.quantization, "tokens": args.tokens,
               "streams": args.streams, "prompt_tokens": args.prompt_tokens,
               "ms_per_token": ms, "base_over_tree": ratios, "median": statistics.median(ratios),
+              "decode_ms_per_step": decode_ms, "decode_base_over_tree": decode_ratios,
+              "decode_median": statistics.median(decode_ratios) if decode_ratios else None,
               "same_tokens": ids["base"] == ids["tree"]}
     print(f"base/tree: median {result['median']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), "
           f"same tokens: {result['same_tokens']}")
+    if decode_ratios:
+        print(f"decode steps alone, base/tree: median {result['decode_median']:.3f} "
+              f"({min(decode_ratios):.3f}-{max(decode_ratios):.3f})")
     if args.output:
         args.output.write_text(json.dumps(result, indent=1))
 
