@@ -8,9 +8,9 @@ it is bound by memory, and a step's other work (the linears) does not grow with 
 Blocks are taken in order (`seq`, as a fresh engine hands them out) and scattered at random
 (`scattered`, as a long-running engine's free list leaves them). One KV cache per layer, of
 --blocks blocks, so a step reads from DRAM as the engine does. The host's read rate (a sum over
-512 MiB) is taken after each row's rounds, so the kernel's rate is put beside the host's own. With --base REV the same calls
-alternate with REV's kernels (`ab_kernels.load_at`), the outputs compared bit for bit (or, with
---tolerance, within it: for a change of the sums' order).
+512 MiB) is taken after each row's rounds, so the kernel's rate is put beside the host's own.
+With --base REV the same calls alternate with REV's kernels (`ab_kernels.load_at`), the outputs
+compared bit for bit (or, with --tolerance, within it: for a change of the sums' order).
 The defaults are the embedded model's shape (SmolLM2-135M).
 """
 

@@ -284,8 +284,9 @@ static inline __attribute__((always_inline)) void score_block_amx(
 /* Ask for the rows o0..o1 - 1 of the next block (`ahead_bytes` of each from `ahead`) while this
    block's rows are worked on: a row or two at a time, so that the requests go out as the earlier
    ones come back, instead of a block's worth at once stalling on the core's few misses in flight
-   (decode attention 1.20-1.38x faster at 4 and 16 decodes of context 800, from DRAM, against the
-   whole next block asked for at the start of each: Zen 3, two builds alternated). */
+   (decode attention 1.12-1.45x faster at 4 and 16 decodes of context 800 and 3200, from DRAM,
+   against the whole next block asked for at the start of each: Zen 3, two builds alternated in
+   benchmarks/decode_attention.py). */
 static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes,
                                                                  int64_t slot_bytes, int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; o++)
