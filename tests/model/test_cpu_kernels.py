@@ -71,9 +71,8 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
        kv_heads=st.sampled_from([1, 3]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim, bf16, seed):
-    """Bit for bit: alone, a decode's few KV heads split over the threads by block and by slices
-    of the head (and so three sequences of one KV head); in a batch of 8, each (sequence, KV head)
-    is one thread's task."""
+    """Bit for bit: a decode alone, in a batch of 3 and in a batch of 8, however its (sequence,
+    KV head) tasks fall to the threads."""
     gen = torch.Generator().manual_seed(seed)
     dtype, group = (torch.bfloat16 if bf16 else torch.float32), 3
     used = [-(-n // block) for n in lens]

@@ -323,14 +323,14 @@ static inline __attribute__((always_inline)) void score_queries(
 
 static inline __attribute__((always_inline)) void accumulate_queries(
         float *acc, const float *p, int64_t stride, const int nq, const char *first_row, int64_t slot_bytes, int64_t n,
-        int is_bf16, int64_t dim, int64_t d_from, int64_t d_to, const char *ahead, int64_t ahead_bytes) {
-    for (int64_t d = d_from; d < d_to; d += 16) {
+        int is_bf16, int64_t dim, const char *ahead, int64_t ahead_bytes) {
+    for (int64_t d = 0; d < dim; d += 16) {
         __m256 sum[QUERIES][2];
         for (int g = 0; g < nq; g++)
             for (int j = 0; j < 2; j++) sum[g][j] = _mm256_loadu_ps(acc + g * dim + d + 8 * j);
         for (int64_t o = 0; o < n; o++) {
             const char *row = first_row + o * slot_bytes;
-            if (d == d_from) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
+            if (d == 0) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
             const __m256 v0 = load8f(row, is_bf16, d), v1 = load8f(row, is_bf16, d + 8);
             for (int g = 0; g < nq; g++) {
                 const __m256 weight = _mm256_set1_ps(p[g * stride + o]);
@@ -343,8 +343,9 @@ static inline __attribute__((always_inline)) void accumulate_queries(
     }
 }
 
-/* scores[g * stride + o] = scale * q_g . k_o, and acc_g += sum_o p[g * stride + o] v_o (dims
-   d_from..d_to - 1 of it), over the block's n rows for `queries` query rows. */
+/* scores[g * stride + o] = scale * q_g . k_o, and acc_g += sum_o p[g * stride + o] v_o, over the
+   block's n rows for `queries` query rows; `ahead_bytes` of each of the next block's rows from
+   `ahead` asked for on the way (0: none). */
 static inline __attribute__((always_inline)) void score_block(
         const float *qf, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
         int64_t queries, float *scores, int64_t stride, float scale, const char *ahead, int64_t ahead_bytes) {
@@ -362,13 +363,12 @@ static inline __attribute__((always_inline)) void score_block(
 
 static inline __attribute__((always_inline)) void accumulate_block(
         float *acc, const float *p, int64_t stride, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
-        int64_t dim, int64_t queries, int64_t d_from, int64_t d_to, const char *ahead, int64_t ahead_bytes) {
+        int64_t dim, int64_t queries, const char *ahead, int64_t ahead_bytes) {
     for (int64_t g = 0; g < queries; g += QUERIES) {
         float *a = acc + g * dim;
         const float *pg = p + g * stride;
         const int64_t bytes = g ? 0 : ahead_bytes;
-#define ACCUMULATE(nq) accumulate_queries(a, pg, stride, nq, first_row, slot_bytes, n, is_bf16, dim, d_from, d_to, \
-                                          ahead, bytes)
+#define ACCUMULATE(nq) accumulate_queries(a, pg, stride, nq, first_row, slot_bytes, n, is_bf16, dim, ahead, bytes)
         if (queries - g >= 3) ACCUMULATE(3);
         else if (queries - g == 2) ACCUMULATE(2);
         else ACCUMULATE(1);
@@ -489,7 +489,7 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         }
 #elif defined(AVX2_ROWS)
         if (in_blocks) {
-            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, 0, dim, next,
+            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, next,
                              next ? dim * elem : 0);
             continue;
         }
@@ -506,102 +506,6 @@ static inline __attribute__((always_inline)) int attend_kv_head(
     free(scores);
     return 1;
 }
-
-#ifdef AVX2_ROWS
-/* Decodes that make fewer (sequence, KV head) tasks than a few per thread: a lone decode's three
-   KV heads on two cores leave one core idle for a third of the attention. Here each part of the
-   work splits on its own, evenly: the scores by block, the softmax by query row, and the sums of
-   V by 32-dim slices (a cache line of bf16), each slice walking the blocks in order. Every score
-   and output element is computed as attend_kv_head computes it, so the outputs are the same bit
-   for bit. Returns 0 when out of memory. */
-static int attend_few_decodes(const char *q, int64_t q_stride, char *out, int64_t out_stride, char *k_cache,
-                              char *v_cache, const int64_t *block_tables, int64_t table_width,
-                              const int64_t *context_lens, int64_t num_runs, int64_t num_kv_heads, int64_t group,
-                              int64_t dim, int64_t block_size, float scale, const int is_bf16, int num_threads,
-                              const char *k_new, int64_t k_stride, const char *v_new, int64_t v_stride,
-                              const int64_t *slots) {
-    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = dim * elem, slot_bytes = num_kv_heads * row_bytes;
-    const int64_t tasks = num_runs * num_kv_heads, width = dim % 32 ? 16 : 32, slices = dim / width;
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(2 * (num_runs + 1)));  /* per run: first block, score */
-    if (!starts) return 0;
-    int64_t *score_starts = starts + num_runs + 1;
-    starts[0] = score_starts[0] = 0;
-    for (int64_t s = 0; s < num_runs; s++) {
-        starts[s + 1] = starts[s] + (context_lens[s] + block_size - 1) / block_size;
-        score_starts[s + 1] = score_starts[s] + num_kv_heads * group * context_lens[s];
-    }
-    float *scores = malloc(sizeof(float) * (size_t)(score_starts[num_runs] + 2 * tasks * group * dim));
-    if (!scores) {
-        free(starts);
-        return 0;
-    }
-    float *qf = scores + score_starts[num_runs], *acc = qf + tasks * group * dim;
-#define SCORES(s, h) (scores + score_starts[s] + (h) * group * context_lens[s])
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-            if (k_new) {
-                memcpy(k_cache + slots[s] * slot_bytes + h * row_bytes, k_new + (s * k_stride + h * dim) * elem,
-                       (size_t)row_bytes);
-                memcpy(v_cache + slots[s] * slot_bytes + h * row_bytes, v_new + (s * v_stride + h * dim) * elem,
-                       (size_t)row_bytes);
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t d = 0; d < dim; d += 8)
-                    _mm256_storeu_ps(qf + (task * group + g) * dim + d,
-                                     load8f(q + (s * q_stride + (h * group + g) * dim) * elem, is_bf16, d));
-        }
-        /* Scores: a unit is one block of one (sequence, KV head); a thread takes a run of them. */
-#pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < num_kv_heads * starts[num_runs]; unit++) {
-            const int64_t h = unit / starts[num_runs], b = unit % starts[num_runs];
-            int64_t s = 0;
-            while (starts[s + 1] <= b) s++;
-            const int64_t first = (b - starts[s]) * block_size, len = context_lens[s];
-            const int64_t n = len - first < block_size ? len - first : block_size;
-            const char *k_head = k_cache + h * row_bytes;
-            const int64_t *table = block_tables + s * table_width;
-            if (first + block_size < len)
-                prefetch_rows(k_head + table[first / block_size + 1] * block_size * slot_bytes, block_size, slot_bytes,
-                              row_bytes);
-            score_block(qf + (s * num_kv_heads + h) * group * dim, k_head + table[first / block_size] * block_size *
-                        slot_bytes, slot_bytes, n, is_bf16, dim, group, SCORES(s, h) + first, len, scale, NULL, 0);
-        }
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < tasks * group; row++) {
-            const int64_t s = row / (num_kv_heads * group), hg = row % (num_kv_heads * group);
-            softmax(SCORES(s, 0) + hg * context_lens[s], context_lens[s]);
-        }
-        /* Sums of V: a unit is one slice of one (sequence, KV head), over all its blocks in order. */
-#pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < tasks * slices; unit++) {
-            const int64_t task = unit / slices, s = task / num_kv_heads, h = task % num_kv_heads;
-            const int64_t d_from = (unit % slices) * width, len = context_lens[s];
-            const char *v_head = v_cache + h * row_bytes;
-            const int64_t *table = block_tables + s * table_width;
-            float *a = acc + task * group * dim;
-            for (int64_t g = 0; g < group; g++) memset(a + g * dim + d_from, 0, sizeof(float) * (size_t)width);
-            for (int64_t first = 0; first < len; first += block_size) {
-                const int64_t n = len - first < block_size ? len - first : block_size;
-                if (first + block_size < len)
-                    prefetch_rows(v_head + table[first / block_size + 1] * block_size * slot_bytes + d_from * elem,
-                                  block_size, slot_bytes, width * elem);
-                accumulate_block(a, SCORES(s, h) + first, len, v_head + table[first / block_size] * block_size *
-                                 slot_bytes, slot_bytes, n, is_bf16, dim, group, d_from, d_from + width, NULL, 0);
-            }
-            for (int64_t g = 0; g < group; g++)
-                store_row(out + (s * out_stride + (h * group + g) * dim + d_from) * elem, is_bf16, width,
-                          a + g * dim + d_from);
-        }
-    }
-#undef SCORES
-    free(scores);
-    free(starts);
-    return 1;
-}
-#endif
 
 /* Runs of queries over their cached contexts, read from the blocks in place.
    q: [tokens, heads, head_dim] rows `q_stride` elements apart; out likewise with `out_stride`.
@@ -622,17 +526,6 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
     const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t slot_bytes = num_kv_heads * row_bytes;
     int ok = 1;
-#ifdef AVX2_ROWS
-    if (!query_starts && IN_BLOCKS(head_dim) && num_threads > 1 && num_runs * num_kv_heads < 4 * num_threads) {
-        if (is_bf16)
-            return attend_few_decodes(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_width,
-                                      context_lens, num_runs, num_kv_heads, group, head_dim, block_size, scale, 1,
-                                      num_threads, k_new, k_stride, v_new, v_stride, slots);
-        return attend_few_decodes(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_width,
-                                  context_lens, num_runs, num_kv_heads, group, head_dim, block_size, scale, 0,
-                                  num_threads, k_new, k_stride, v_new, v_stride, slots);
-    }
-#endif
     if (k_new && query_starts) {
         const int64_t tokens = query_starts[num_runs];
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 16)
