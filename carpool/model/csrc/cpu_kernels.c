@@ -123,6 +123,18 @@ static inline __attribute__((always_inline)) void accumulate_row(
         for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += p[g * stride] * v[d];
 }
 
+/* Ask for the rows o0..o1 - 1 of the next block (`ahead_bytes` of each from `ahead`) while this
+   block's rows are worked on: a row or two at a time, so that the requests go out as the earlier
+   ones come back, instead of a block's worth at once stalling on the core's few misses in flight
+   (AVX2: decode attention 1.12-1.45x faster at 4 and 16 decodes of context 800 and 3200, from
+   DRAM, against the whole next block asked for at the start of each: Zen 3, two builds alternated
+   in benchmarks/decode_attention.py). The block passes below take it on both paths. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes,
+                                                                 int64_t slot_bytes, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; o++)
+        for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead + o * slot_bytes + b);
+}
+
 #ifdef __AVX512F__
 /* A whole block at once, for every query row of the run. The per-row passes above spend most of
    their time on one horizontal sum per (key, query) and on loading and storing the outputs per
@@ -151,10 +163,12 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
 }
 
 /* scores[g * stride + o] = scale * q_g . k_o for the block's n (<= 16 per pass) rows. `qb` is the
-   queries in the cache's own type (bf16 rows for DOT_BF16, else fp32 rows). */
+   queries in the cache's own type (bf16 rows for DOT_BF16, else fp32 rows). The first query row's
+   pass asks for the next block's rows (`ahead_bytes` of each from `ahead`; 0: none). */
 static inline __attribute__((always_inline)) void score_block(
         const float *qf, const uint16_t *qb, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
-        int64_t dim, int64_t queries, float *scores, int64_t stride, float scale) {
+        int64_t dim, int64_t queries, float *scores, int64_t stride, float scale, const char *ahead,
+        int64_t ahead_bytes) {
     for (int64_t o0 = 0; o0 < n; o0 += 16) {
         const int64_t keys = n - o0 < 16 ? n - o0 : 16;
         const __mmask16 mask = (__mmask16)((1u << keys) - 1);
@@ -165,6 +179,7 @@ static inline __attribute__((always_inline)) void score_block(
                 const char *row = first_row + (o0 + o) * slot_bytes;
                 __m512 sum = _mm512_setzero_ps();
                 if (o < keys) {
+                    if (g == 0) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o0 + o, o0 + o + 1);
 #ifdef DOT_BF16
                     if (is_bf16 && dim % 32 == 0) {
                         for (int64_t d = 0; d < dim; d += 32)
@@ -183,10 +198,10 @@ static inline __attribute__((always_inline)) void score_block(
 }
 
 /* acc_g += sum_o p[g * stride + o] v_o over the block's n rows, for `nr` (<= 4) query rows; 64
-   dims of the outputs at a time stay in registers. */
+   dims of the outputs at a time stay in registers. The first 64 dims ask for the next block. */
 static inline __attribute__((always_inline)) void accumulate_rows(
         float *acc, const float *p, int64_t stride, const int nr, const char *first_row, int64_t slot_bytes,
-        int64_t n, int is_bf16, int64_t dim) {
+        int64_t n, int is_bf16, int64_t dim, const char *ahead, int64_t ahead_bytes) {
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int slices = dim - d0 >= 64 ? 4 : (int)((dim - d0) / 16);
         __m512 sum[4][4];
@@ -194,6 +209,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(
             for (int j = 0; j < slices; j++) sum[g][j] = _mm512_loadu_ps(acc + g * dim + d0 + 16 * j);
         for (int64_t o = 0; o < n; o++) {
             const char *row = first_row + o * slot_bytes;
+            if (d0 == 0) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
             for (int j = 0; j < slices; j++) {
                 const __m512 v = load16f(row, is_bf16, d0 + 16 * j);
                 for (int g = 0; g < nr; g++)
@@ -207,11 +223,12 @@ static inline __attribute__((always_inline)) void accumulate_rows(
 
 static inline __attribute__((always_inline)) void accumulate_block(
         float *acc, const float *p, int64_t stride, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
-        int64_t dim, int64_t queries) {
+        int64_t dim, int64_t queries, const char *ahead, int64_t ahead_bytes) {
     for (int64_t g = 0; g < queries; g += 4) {
         float *a = acc + g * dim;
         const float *pg = p + g * stride;
-#define ACCUMULATE(nr) accumulate_rows(a, pg, stride, nr, first_row, slot_bytes, n, is_bf16, dim)
+        const int64_t bytes = g ? 0 : ahead_bytes;  /* the first pass asks for the next block */
+#define ACCUMULATE(nr) accumulate_rows(a, pg, stride, nr, first_row, slot_bytes, n, is_bf16, dim, ahead, bytes)
         if (queries - g >= 4) ACCUMULATE(4);
         else if (queries - g == 3) ACCUMULATE(3);
         else if (queries - g == 2) ACCUMULATE(2);
@@ -280,18 +297,6 @@ static inline __attribute__((always_inline)) void score_block_amx(
    the two paths agree bit for bit (a chunk's partly visible blocks take the per-row ones). */
 #define IN_BLOCKS(dim) (IN_PLACE(dim) && (dim) % 16 == 0)  /* the per-row passes' order: theirs in place */
 #define QUERIES 3  /* query rows per pass: a GQA group of 3 shares one, larger groups take turns */
-
-/* Ask for the rows o0..o1 - 1 of the next block (`ahead_bytes` of each from `ahead`) while this
-   block's rows are worked on: a row or two at a time, so that the requests go out as the earlier
-   ones come back, instead of a block's worth at once stalling on the core's few misses in flight
-   (decode attention 1.12-1.45x faster at 4 and 16 decodes of context 800 and 3200, from DRAM,
-   against the whole next block asked for at the start of each: Zen 3, two builds alternated in
-   benchmarks/decode_attention.py). */
-static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes,
-                                                                 int64_t slot_bytes, int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; o++)
-        for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead + o * slot_bytes + b);
-}
 
 static inline __attribute__((always_inline)) void score_queries(
         const float *qf, const int nq, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16, int64_t dim,
@@ -385,10 +390,14 @@ static inline void prefetch_rows(const char *first, int64_t rows, int64_t stride
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(first + r * stride + b);
 }
 
-/* Whether attend_kv_head takes a block whose last row is `last_row` with the AVX2 block passes,
-   which ask for the next block themselves as they go. */
+/* Whether attend_kv_head takes a block whose last row is `last_row` with the block passes, which
+   ask for the next block themselves as they go. The AVX-512 ones take every block, the AVX2 ones
+   those that every query row sees whole. */
 static inline int whole_block_passes(int64_t dim, int64_t last_row, int64_t first_run_row) {
-#ifdef AVX2_ROWS
+#ifdef __AVX512F__
+    (void)last_row, (void)first_run_row;
+    return IN_BLOCKS(dim);
+#elif defined(AVX2_ROWS)
     return IN_BLOCKS(dim) && last_row <= first_run_row;
 #else
     (void)dim, (void)last_row, (void)first_run_row;
@@ -442,7 +451,7 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         const int64_t n = len - first < block_size ? len - first : block_size;
         const char *next = first + block_size < len ? k_head + table[first / block_size + 1] * block_size * slot_bytes
                                                     : NULL;
-        const int in_blocks = whole_block_passes(dim, first + n - 1, first_run_row);
+        const int in_blocks = !amx && whole_block_passes(dim, first + n - 1, first_run_row);
         if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
 #ifdef HAVE_ATTENTION_AMX
         if (amx) {
@@ -451,8 +460,9 @@ static inline __attribute__((always_inline)) int attend_kv_head(
         }
 #endif
 #ifdef __AVX512F__
-        if (IN_BLOCKS(dim)) {
-            score_block(qf, qb, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale);
+        if (in_blocks) {
+            score_block(qf, qb, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale, next,
+                        next ? dim * elem : 0);
             continue;
         }
 #elif defined(AVX2_ROWS)
@@ -482,12 +492,7 @@ static inline __attribute__((always_inline)) int attend_kv_head(
                                                     : NULL;
         const int in_blocks = whole_block_passes(dim, first + n - 1, first_run_row);
         if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
-#ifdef __AVX512F__
-        if (IN_BLOCKS(dim)) {
-            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows);
-            continue;
-        }
-#elif defined(AVX2_ROWS)
+#if defined(__AVX512F__) || defined(AVX2_ROWS)
         if (in_blocks) {
             accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, next,
                              next ? dim * elem : 0);
