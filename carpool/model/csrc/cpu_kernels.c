@@ -163,8 +163,10 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
 }
 
 /* scores[g * stride + o] = scale * q_g . k_o for the block's n (<= 16 per pass) rows. `qb` is the
-   queries in the cache's own type (bf16 rows for DOT_BF16, else fp32 rows). The first query row's
-   pass asks for the next block's rows (`ahead_bytes` of each from `ahead`; 0: none). */
+   queries in the cache's own type (bf16 rows for DOT_BF16, else fp32 rows). Row o of the next
+   block (`ahead_bytes` of it from `ahead`; 0: none) is asked for in query row o % queries's pass,
+   so the requests spread over all of them (in the first pass only: 1.13-1.17x slower at 4 and 16
+   decodes, blocks in order; Zen 4, benchmarks/decode_attention.py). */
 static inline __attribute__((always_inline)) void score_block(
         const float *qf, const uint16_t *qb, const char *first_row, int64_t slot_bytes, int64_t n, int is_bf16,
         int64_t dim, int64_t queries, float *scores, int64_t stride, float scale, const char *ahead,
@@ -179,7 +181,7 @@ static inline __attribute__((always_inline)) void score_block(
                 const char *row = first_row + (o0 + o) * slot_bytes;
                 __m512 sum = _mm512_setzero_ps();
                 if (o < keys) {
-                    if (g == 0) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o0 + o, o0 + o + 1);
+                    if (o % queries == g) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o0 + o, o0 + o + 1);
 #ifdef DOT_BF16
                     if (is_bf16 && dim % 32 == 0) {
                         for (int64_t d = 0; d < dim; d += 32)
