@@ -200,7 +200,9 @@ static inline __attribute__((always_inline)) void score_block(
 }
 
 /* acc_g += sum_o p[g * stride + o] v_o over the block's n rows, for `nr` (<= 4) query rows; 64
-   dims of the outputs at a time stay in registers. The first 64 dims ask for the next block. */
+   dims of the outputs at a time stay in registers. Row o of the next block is asked for in the
+   pass over dims 64 (o % passes) on (at head_dim 128, all in the first pass: 1.07-1.30x slower at
+   1-16 decodes; Zen 4, benchmarks/decode_attention.py). */
 static inline __attribute__((always_inline)) void accumulate_rows(
         float *acc, const float *p, int64_t stride, const int nr, const char *first_row, int64_t slot_bytes,
         int64_t n, int is_bf16, int64_t dim, const char *ahead, int64_t ahead_bytes) {
@@ -211,7 +213,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(
             for (int j = 0; j < slices; j++) sum[g][j] = _mm512_loadu_ps(acc + g * dim + d0 + 16 * j);
         for (int64_t o = 0; o < n; o++) {
             const char *row = first_row + o * slot_bytes;
-            if (d0 == 0) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
+            if (d0 / 64 == o % ((dim + 63) / 64)) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
             for (int j = 0; j < slices; j++) {
                 const __m512 v = load16f(row, is_bf16, d0 + 16 * j);
                 for (int g = 0; g < nr; g++)
