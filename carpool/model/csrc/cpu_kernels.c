@@ -176,12 +176,16 @@ static inline __attribute__((always_inline)) void score_block(
         const __mmask16 mask = (__mmask16)((1u << keys) - 1);
         for (int64_t g = 0; g < queries; g++) {
             __m512 part[16];
+            int64_t due = g;  /* the next row this pass asks for: g, g + queries, ... (no division) */
 #pragma GCC unroll 16
             for (int o = 0; o < 16; o++) {  /* unrolled, so that part[] stays in registers */
                 const char *row = first_row + (o0 + o) * slot_bytes;
                 __m512 sum = _mm512_setzero_ps();
                 if (o < keys) {
-                    if (o % queries == g) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o0 + o, o0 + o + 1);
+                    if (o == due) {
+                        prefetch_ahead(ahead, ahead_bytes, slot_bytes, o0 + o, o0 + o + 1);
+                        due += queries;
+                    }
 #ifdef DOT_BF16
                     if (is_bf16 && dim % 32 == 0) {
                         for (int64_t d = 0; d < dim; d += 32)
@@ -211,9 +215,13 @@ static inline __attribute__((always_inline)) void accumulate_rows(
         __m512 sum[4][4];
         for (int g = 0; g < nr; g++)
             for (int j = 0; j < slices; j++) sum[g][j] = _mm512_loadu_ps(acc + g * dim + d0 + 16 * j);
+        int64_t due = d0 / 64;  /* the next row this pass asks for: d0 / 64, + passes, ... */
         for (int64_t o = 0; o < n; o++) {
             const char *row = first_row + o * slot_bytes;
-            if (d0 / 64 == o % ((dim + 63) / 64)) prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
+            if (o == due) {
+                prefetch_ahead(ahead, ahead_bytes, slot_bytes, o, o + 1);
+                due += (dim + 63) / 64;
+            }
             for (int j = 0; j < slices; j++) {
                 const __m512 v = load16f(row, is_bf16, d0 + 16 * j);
                 for (int g = 0; g < nr; g++)
