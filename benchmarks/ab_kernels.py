@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import tarfile
@@ -40,7 +41,8 @@ def build_at(rev: str, into: Path) -> Path:
     tarfile.open(fileobj=BytesIO(archive)).extractall(into, filter="data")
     csrc = into / CSRC
     lib = into / "kernels.so"
-    cmd = [*cpu_kernels.COMPILE_FLAGS, f"-I{csrc}", *map(str, sorted(csrc.glob("*.c"))), *cpu_kernels.LINK_FLAGS]
+    flags = [*cpu_kernels.COMPILE_FLAGS, *os.environ.get("CARPOOL_KERNEL_FLAGS", "").split()]  # as the tree's
+    cmd = [*flags, f"-I{csrc}", *map(str, sorted(csrc.glob("*.c"))), *cpu_kernels.LINK_FLAGS]
     subprocess.run(["cc", *cmd, "-o", str(lib)], check=True)
     return lib
 

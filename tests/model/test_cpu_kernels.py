@@ -5,12 +5,14 @@ signature table against csrc/kernels.h and the library; their wrappers' checks; 
 from __future__ import annotations
 
 import ctypes
+import functools
 import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_leaves, tree_map
@@ -238,6 +240,42 @@ def test_row_max_finds_the_first_maximum_at_every_position(vocab):
     assert torch.equal(cpu_kernels.row_max(y, picked)[1], y[picked].max(dim=-1).indices)
     with pytest.raises(IndexError, match="out of range"):
         cpu_kernels.row_max(y, [3])
+
+
+@pytest.mark.parametrize("kernel", ["int4", "int8", "Q4_K", "bf16 tiles"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_product_does_not_depend_on_how_many_threads_share_its_blocks(kernel, tokens):
+    """Threads take their static share of a product's 16-row blocks, then the others' last
+    untaken ones (kernels.h, claim_block). Whatever the thread count (odd, or more than the 64
+    shares), every block is computed, once, and the output is the one-thread output bit for bit."""
+    from tests.model.test_kquant import kernel_for, random_codes
+
+    n, k = 16 * 37 - 5, 256
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, k, generator=gen).bfloat16()
+    if kernel in ("int4", "int8"):
+        linear = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
+        linear.weight.normal_(0, 0.05, generator=gen)
+        product = QuantizedLinear(linear, kernel, torch.bfloat16).to(torch.bfloat16).kernel
+    elif kernel == "Q4_K":
+        if not cpu_kernels.has_kq_matmul():
+            pytest.skip("needs AVX-512 VNNI or AVX2 (csrc/kquant.c)")
+        product = functools.partial(kernel_for(random_codes(T.Q4_K, n, k)[0]), tile_from=0)
+    else:
+        if not cpu_kernels.has_bf16_tiles():
+            pytest.skip("needs AVX512-BF16 or AVX2 with FMA")
+        tiles = cpu_kernels.bf16_tiles(torch.randn(n, k, generator=gen).bfloat16())
+        product = functools.partial(cpu_kernels.bf16_tiles_matmul, tiles=tiles, n=n, amx_from=0)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = product(x)
+        assert alone.abs().sum() > 0
+        for threads in (2, 3, 7, 70):
+            torch.set_num_threads(threads)
+            assert torch.equal(product(x), alone), threads
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_only_eager_bf16_on_cpu_fuses():

@@ -351,8 +351,10 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
     if (!quantize_halves(x, is_bf16, tokens, w->k, (int32_t)w->offset, &a)) return 0;
     const int64_t n = w->n;
     const int has_offset = w->offset != 0, has_min = w->m != NULL;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+    BlockShares shares;
+    share_blocks(&shares, (n + KQ_ROWS - 1) / KQ_ROWS, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t b; (b = claim_block(&shares, omp_get_thread_num())) >= 0;) {
         for (int64_t t0 = 0; t0 < tokens; t0 += KQ_TILE) {
             __m512 acc[KQ_TILE];
             const int64_t tn = tokens - t0 < KQ_TILE ? tokens - t0 : KQ_TILE;
@@ -814,8 +816,10 @@ static int int_matmul(const KQuantWeight *w, const void *x, void *out, int64_t t
         free(a.scale);
         return ok;
     }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < (n + KQ_ROWS - 1) / KQ_ROWS; b++) {
+    BlockShares shares;
+    share_blocks(&shares, (n + KQ_ROWS - 1) / KQ_ROWS, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t b; (b = claim_block(&shares, omp_get_thread_num())) >= 0;) {
         if (tokens == 1) {
             __m256 acc[2];
             rows1_any(w, &a, b, 0, form, acc);
@@ -950,9 +954,11 @@ static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *con
    the token tile loop (two blocks, one chain each), alternated in one process
    (benchmarks/ab_kernels.py); software prefetch made it slower. */
 static void stored_tiles1(const TileSource *src, const uint32_t *x, uint16_t *out, int num_threads) {
-    const int64_t n = src->n, k = src->k, pairs = k / 2, blocks = (n + KQ_ROWS - 1) / KQ_ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n = src->n, k = src->k, pairs = k / 2;
+    BlockShares shares;
+    share_blocks(&shares, (n + KQ_ROWS - 1) / KQ_ROWS, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t b; (b = claim_block(&shares, omp_get_thread_num())) >= 0;) {
         const uint8_t *tile = (const uint8_t *)(src->stored + b * KQ_ROWS * k);
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t p = 0; p < pairs; p += 4)
@@ -1288,8 +1294,10 @@ static int tiles_matmul_avx2(const uint16_t *tiles, const uint16_t *x, uint16_t 
             const uint32_t bits = (uint32_t)x[t * k + c] << 16;
             memcpy(xp + (((t / F32_TOKENS) * pairs + c / 2) * F32_TOKENS + t % F32_TOKENS) * 2 + c % 2, &bits, 4);
         }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < (blocks + per_group - 1) / per_group; g++)
+    BlockShares shares;
+    share_blocks(&shares, (blocks + per_group - 1) / per_group, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t g; (g = claim_block(&shares, omp_get_thread_num())) >= 0;)
         for (int64_t t0 = 0; t0 < tokens; t0 += F32_TOKENS) {
             const float *xt = xp + (t0 / F32_TOKENS) * pairs * 2 * F32_TOKENS;
             const int tn = tokens - t0 < F32_TOKENS ? (int)(tokens - t0) : F32_TOKENS;

@@ -639,8 +639,10 @@ static void avx2_chunk(const uint8_t *codes, const uint16_t *scale, const uint16
                        int num_threads) {
     const int64_t blocks = (n + ROWS - 1) / ROWS;
     if (tn == 1) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t b = 0; b < blocks; b++) {
+        BlockShares shares;
+        share_blocks(&shares, blocks, num_threads);
+#pragma omp parallel num_threads(num_threads)
+        for (int64_t b; (b = claim_block(&shares, omp_get_thread_num())) >= 0;) {
             const int64_t first = b * a->groups * ROWS, row = b * ROWS;
             __m256 acc0, acc1;
             if (min) int4_rows1(codes + first * GROUP / 2, scale + first, min + first, a, x, t0, &acc0, &acc1);
@@ -737,17 +739,20 @@ static int matmul(const uint8_t *codes, const uint16_t *scale, const uint16_t *m
         return ok;
     }
 #endif
+    const int64_t blocks = (n + ROWS - 1) / ROWS;
+    BlockShares shares;
+    share_blocks(&shares, blocks, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < (n + ROWS - 1) / ROWS; b++) {
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t b; (b = claim_block(&shares, me)) >= 0;) {
             const int64_t first = b * a.groups * ROWS;  /* the block's first (row, group) */
 #define BLOCK(tn) (min ? int4_block(codes + first * GROUP / 2, scale + first, min + first, &a, k, t0, tn, acc) \
                        : int8_block(codes + first * GROUP, scale + first, &a, k, t0, tn, acc))
             FOR_EACH_TILE(BLOCK, 0)
 #undef BLOCK
         }
-        if (next) prefetch_share(next, omp_get_thread_num(), omp_get_num_threads());
+        if (next) prefetch_share(next, me, nt);
     }
     free(a.scale);
     return 1;
