@@ -69,12 +69,14 @@ def test_paged_decode_attention_reads_scattered_blocks(lens, block, kv_heads, gr
 
 
 @settings(max_examples=examples(20), deadline=None)
-@given(lens=st.lists(st.integers(1, 100), min_size=8, max_size=8), block=st.sampled_from([5, 16]),
+@given(lens=st.lists(st.integers(1, 100), min_size=8, max_size=8), block=st.sampled_from([1, 5, 16]),
        kv_heads=st.sampled_from([1, 3]), dim=st.sampled_from([48, 64, 128]), bf16=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_a_decode_attends_alike_alone_and_in_a_batch(lens, block, kv_heads, dim, bf16, seed):
     """Bit for bit: a decode alone, in a batch of 3 and in a batch of 8, however its (sequence,
-    KV head) tasks fall to the threads."""
+    KV head) tasks fall to the threads, and whether its context's segments (32 blocks: 32 tokens
+    at block 1) run as tasks of their own (alone, too few tasks for the threads) or one after
+    another in its task (in a batch)."""
     gen = torch.Generator().manual_seed(seed)
     dtype, group = (torch.bfloat16 if bf16 else torch.float32), 3
     used = [-(-n // block) for n in lens]

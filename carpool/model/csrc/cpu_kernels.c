@@ -4,8 +4,9 @@
    Decode attention reads carpool's paged KV cache in place. The SDPA path first gathers each decode's blocks into a padded copy (two index_selects per
    layer) and then runs a kernel whose fixed cost, at one decode, is most of the call. Here each
    (sequence, KV head) task walks its block table directly: one pass over K for the scores of
-   the query heads sharing that KV head, a softmax, one pass over V. Accumulation is fp32, as in
-   torch's CPU SDPA. Built with OpenMP against torch's own libgomp, so it shares torch's threads. */
+   the query heads sharing that KV head, a softmax, one pass over V, in segments of 512 tokens
+   merged at the end (attend_segment; too few tasks for the threads, the segments are tasks).
+   Accumulation is fp32, as in torch's CPU SDPA. Built with OpenMP against torch's own libgomp, so it shares torch's threads. */
 
 #include <math.h>
 #include <stdint.h>
@@ -417,38 +418,72 @@ static inline int whole_block_passes(int64_t dim, int64_t last_row, int64_t firs
 #endif
 }
 
-/* The first `seen` (>= 1) scores of a row to probabilities, in place. */
-static inline void softmax(float *row, int64_t seen) {
-    float top = row[0], sum = 0.f;
-    for (int64_t t = 0; t < seen; t++) top = row[t] > top ? row[t] : top;
+/* The first `seen` (>= 1) scores of a row to probabilities, in place; their largest score and
+   the sum of their exponentials (relative to it) to *top and *total. */
+static inline void softmax(float *row, int64_t seen, float *top, float *total) {
+    float high = row[0], sum = 0.f;
+    for (int64_t t = 0; t < seen; t++) high = row[t] > high ? row[t] : high;
     for (int64_t t = 0; t < seen; t++) {
-        row[t] = expf(row[t] - top);
+        row[t] = expf(row[t] - high);
         sum += row[t];
     }
     for (int64_t t = 0; t < seen; t++) row[t] /= sum;
+    *top = high, *total = sum;
 }
 
-/* One run of `nq` consecutive tokens of a sequence (a decode: nq = 1) and one KV head: the
-   nq * group query rows (token i's `group` heads, rows q_row apart) against the run's context of
-   `len` tokens, causally: token i sees the first len - nq + 1 + i. Each cached row of K and V is
-   read once for all the queries that see it (the rows from `from` on), so a chunk's queries share
-   the passes over its prefix. Returns 0 when out of memory for its scores. Blocks are walked block by block, so finding a token's slot needs no
+/* A context is attended in segments of SEGMENT_BLOCKS blocks at fixed positions (512 tokens at
+   16-token blocks): each segment's softmax and sums of V on their own, then the segments merged,
+   in order, each weighted by its share of the exponentials (flash-decoding's split). A segment's
+   arithmetic does not depend on who runs it, so a (sequence, KV head) task that runs its
+   segments one after another and segments run as tasks of their own give the same outputs,
+   bit for bit; contexts of one segment are computed as before segments existed. Decodes too few
+   for the threads (paged_attention_runs) run their segments as tasks: one decode of the embedded
+   model has 3 KV heads for 2 threads, and one thread sat out a third of its attention. */
+#ifndef SEGMENT_BLOCKS
+#define SEGMENT_BLOCKS 32
+#endif
+
+static inline int64_t num_segments(int64_t len, int64_t block_size) {
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    return (blocks + SEGMENT_BLOCKS - 1) / SEGMENT_BLOCKS;
+}
+
+/* One segment's results for `rows` query rows: acc [rows, dim] (the segment's probabilities times
+   V), top and total [rows] (softmax's; total 0 where a row sees none of the segment). */
+typedef struct {
+    float *acc, *top, *total;
+} SegmentSums;
+
+static inline SegmentSums segment_sums(float *base, int64_t segment, int64_t rows, int64_t dim) {
+    float *at = base + segment * rows * (dim + 2);
+    return (SegmentSums){at, at + rows * dim, at + rows * dim + rows};
+}
+
+/* One run of `nq` consecutive tokens of a sequence (a decode: nq = 1) and one KV head, over the
+   context's segment `segment`: the nq * group query rows (token i's `group` heads, rows q_row
+   apart) against its tokens, causally: token i sees the first len - nq + 1 + i of the context's
+   `len`. Each cached row of K and V is read once for all the queries that see it (the rows from
+   `from` on), so a chunk's queries share the passes over its prefix. Returns 0 when out of
+   memory for its scores. Blocks are walked block by block, so finding a token's slot needs no
    division. Always inlined, so the calls below with a constant head_dim and dtype get loops the
    compiler unrolls and vectorises for them. */
-static inline __attribute__((always_inline)) int attend_kv_head(
-        const char *q, int64_t q_row, char *out, int64_t out_row, int64_t nq, const char *k_head,
-        const char *v_head, const int64_t *table, int64_t len, int64_t group, int64_t slot_bytes, int64_t block_size,
-        float scale, const int is_bf16, const int64_t dim, const int amx) {
+static inline __attribute__((always_inline)) int attend_segment(
+        const char *q, int64_t q_row, int64_t nq, const char *k_head, const char *v_head, const int64_t *table,
+        int64_t len, int64_t segment, int64_t group, int64_t slot_bytes, int64_t block_size, float scale,
+        const int is_bf16, const int64_t dim, const int amx, SegmentSums sums) {
     const int64_t elem = is_bf16 ? 2 : 4, rows = nq * group, first_run_row = len - nq;
+    const int64_t begin = segment * SEGMENT_BLOCKS * block_size;
+    const int64_t end = len < begin + SEGMENT_BLOCKS * block_size ? len : begin + SEGMENT_BLOCKS * block_size;
+    const int64_t span = end - begin;  /* a row's scores: stride `span`, the segment's first token at 0 */
     const size_t tile_bytes = 1024 * (size_t)(((rows + 15) / 16) * (dim / 32) + 1);  /* query tiles, sums */
-    float *scores = malloc(sizeof(float) * (size_t)(rows * len + (2 * rows + 1) * dim) + 2 * (size_t)(rows * dim) +
+    float *scores = malloc(sizeof(float) * (size_t)(rows * span + (rows + 1) * dim) + 2 * (size_t)(rows * dim) +
                            (amx ? tile_bytes : 0));
     if (!scores) return 0;
-    float *qf = scores + rows * len, *acc = qf + rows * dim, *buf = acc + rows * dim;
+    float *qf = scores + rows * span, *acc = sums.acc, *buf = qf + rows * dim;
     uint16_t *qb = (uint16_t *)(buf + dim);  /* the queries as bf16, where they are */
     uint32_t *query_tiles = (uint32_t *)(qb + rows * dim);
     float *tile_sums = (float *)(query_tiles + (tile_bytes - 1024) / 4);
-    prefetch_rows(k_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
+    prefetch_rows(k_head + table[begin / block_size] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
     for (int64_t i = 0; i < nq; i++)
         for (int64_t g = 0; g < group; g++) {
             memcpy(qf + (i * group + g) * dim, as_float(q + i * q_row + g * dim * elem, is_bf16, dim, buf),
@@ -458,69 +493,106 @@ static inline __attribute__((always_inline)) int attend_kv_head(
 #ifdef HAVE_ATTENTION_AMX
     if (amx) pack_query_tiles(qb, rows, dim, query_tiles);
 #endif
-    for (int64_t first = 0; first < len; first += block_size) {
+    /* Each pass's last block asks for what is read next: V's first block, then the next segment's
+       first K block (a task of its own may read that one: then the request was wasted, 2 KB). */
+    const char *v_first = v_head + table[begin / block_size] * block_size * slot_bytes;
+    const char *k_after = end < len ? k_head + table[end / block_size] * block_size * slot_bytes : NULL;
+    for (int64_t first = begin; first < end; first += block_size) {
         const char *cached = k_head + table[first / block_size] * block_size * slot_bytes;
-        const int64_t n = len - first < block_size ? len - first : block_size;
-        const char *next = first + block_size < len ? k_head + table[first / block_size + 1] * block_size * slot_bytes
-                                                    : NULL;
+        const int64_t n = end - first < block_size ? end - first : block_size;
+        const char *next = first + block_size < end ? k_head + table[first / block_size + 1] * block_size * slot_bytes
+                                                    : v_first;
         const int in_blocks = !amx && whole_block_passes(dim, first + n - 1, first_run_row);
         if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
 #ifdef HAVE_ATTENTION_AMX
         if (amx) {
-            score_block_amx(query_tiles, cached, slot_bytes, n, dim, rows, scores + first, len, scale, tile_sums);
+            score_block_amx(query_tiles, cached, slot_bytes, n, dim, rows, scores + first - begin, span, scale,
+                            tile_sums);
             continue;
         }
 #endif
 #ifdef __AVX512F__
         if (in_blocks) {
-            score_block(qf, qb, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale, next,
+            score_block(qf, qb, cached, slot_bytes, n, is_bf16, dim, rows, scores + first - begin, span, scale, next,
                         next ? dim * elem : 0);
             continue;
         }
 #elif defined(AVX2_ROWS)
         if (in_blocks) {
-            score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first, len, scale, next,
+            score_block(qf, cached, slot_bytes, n, is_bf16, dim, rows, scores + first - begin, span, scale, next,
                         next ? dim * elem : 0);
             continue;
         }
 #endif
         for (int64_t o = 0; o < n; o++) {
             const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
-            score_row(qf + from * dim, cached + o * slot_bytes, is_bf16, dim, rows - from, scores + from * len + t,
-                      len, scale, buf);
+            score_row(qf + from * dim, cached + o * slot_bytes, is_bf16, dim, rows - from,
+                      scores + from * span + t - begin, span, scale, buf);
         }
     }
     for (int64_t r = 0; r < rows; r++) {  /* and a row's unseen keys weigh 0 (blocks go whole) */
-        const int64_t seen = first_run_row + 1 + r / group;
-        softmax(scores + r * len, seen);
-        memset(scores + r * len + seen, 0, sizeof(float) * (size_t)(len - seen));
+        const int64_t seen_to = first_run_row + 1 + r / group, seen = seen_to < end ? seen_to - begin : span;
+        sums.total[r] = 0.f, sums.top[r] = 0.f;
+        if (seen > 0) softmax(scores + r * span, seen, sums.top + r, sums.total + r);
+        if (seen < span) memset(scores + r * span + (seen > 0 ? seen : 0), 0,
+                                sizeof(float) * (size_t)(span - (seen > 0 ? seen : 0)));
     }
     memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
-    prefetch_rows(v_head + table[0] * block_size * slot_bytes, block_size, slot_bytes, dim * elem);
-    for (int64_t first = 0; first < len; first += block_size) {
+    for (int64_t first = begin; first < end; first += block_size) {
         const char *cached = v_head + table[first / block_size] * block_size * slot_bytes;
-        const int64_t n = len - first < block_size ? len - first : block_size;
-        const char *next = first + block_size < len ? v_head + table[first / block_size + 1] * block_size * slot_bytes
-                                                    : NULL;
+        const int64_t n = end - first < block_size ? end - first : block_size;
+        const char *next = first + block_size < end ? v_head + table[first / block_size + 1] * block_size * slot_bytes
+                                                    : k_after;
         const int in_blocks = whole_block_passes(dim, first + n - 1, first_run_row);
         if (next && !in_blocks) prefetch_rows(next, block_size, slot_bytes, dim * elem);
 #if defined(__AVX512F__) || defined(AVX2_ROWS)
         if (in_blocks) {
-            accumulate_block(acc, scores + first, len, cached, slot_bytes, n, is_bf16, dim, rows, next,
+            accumulate_block(acc, scores + first - begin, span, cached, slot_bytes, n, is_bf16, dim, rows, next,
                              next ? dim * elem : 0);
             continue;
         }
 #endif
         for (int64_t o = 0; o < n; o++) {
             const int64_t t = first + o, from = (t > first_run_row ? t - first_run_row : 0) * group;
-            accumulate_row(acc + from * dim, scores + from * len + t, len, cached + o * slot_bytes, is_bf16, dim,
-                           rows - from, buf);
+            accumulate_row(acc + from * dim, scores + from * span + t - begin, span, cached + o * slot_bytes, is_bf16,
+                           dim, rows - from, buf);
         }
     }
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t g = 0; g < group; g++)
-            store_row(out + i * out_row + g * dim * elem, is_bf16, dim, acc + (i * group + g) * dim);
     free(scores);
+    return 1;
+}
+
+/* The outputs of `rows` query rows (row r = token r / group's head r % group) from the context's
+   `count` segments: each segment's sums weighted by its exponentials' total relative to the
+   largest top, in segment order. One segment is its own output. */
+static int merge_segments(const float *partials, int64_t count, int64_t rows, int64_t group, int64_t dim, char *out,
+                          int64_t out_row, int is_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    float *row = count > 1 ? malloc(sizeof(float) * (size_t)dim) : NULL;
+    if (count > 1 && !row) return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        char *to = out + (r / group) * out_row + (r % group) * dim * elem;
+        if (count == 1) {
+            store_row(to, is_bf16, dim, segment_sums((float *)partials, 0, rows, dim).acc + r * dim);
+            continue;
+        }
+        float high = -INFINITY, weight = 0.f;
+        for (int64_t s = 0; s < count; s++) {
+            const SegmentSums p = segment_sums((float *)partials, s, rows, dim);
+            if (p.total[r] > 0.f && p.top[r] > high) high = p.top[r];
+        }
+        memset(row, 0, sizeof(float) * (size_t)dim);
+        for (int64_t s = 0; s < count; s++) {
+            const SegmentSums p = segment_sums((float *)partials, s, rows, dim);
+            if (!(p.total[r] > 0.f)) continue;
+            const float w = p.total[r] * expf(p.top[r] - high);
+            weight += w;
+            for (int64_t d = 0; d < dim; d++) row[d] += w * p.acc[r * dim + d];
+        }
+        for (int64_t d = 0; d < dim; d++) row[d] /= weight;
+        store_row(to, is_bf16, dim, row);
+    }
+    free(row);
     return 1;
 }
 
@@ -541,7 +613,7 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
                          const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
                          const int64_t *slots) {
     const int64_t group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
-    const int64_t slot_bytes = num_kv_heads * row_bytes;
+    const int64_t slot_bytes = num_kv_heads * row_bytes, pairs = num_runs * num_kv_heads;
     int ok = 1;
     if (k_new && query_starts) {
         const int64_t tokens = query_starts[num_runs];
@@ -558,36 +630,77 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
 #ifdef HAVE_ATTENTION_AMX
     amx = AMX_SCORES(is_bf16, head_dim, block_size) && quant_amx_supported();
 #endif
+    /* Each (run, KV head) pair's segments and where their sums go: pair p's segments are tasks
+       task_of[p] .. task_of[p + 1] - 1, its sums at offset_of[p]. */
+    int64_t *task_of = malloc(sizeof(int64_t) * (size_t)(2 * pairs + 2)), *offset_of = task_of + pairs + 1;
+    if (!task_of) return 0;
+    task_of[0] = offset_of[0] = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s = p / num_kv_heads, nq = query_starts ? query_starts[s + 1] - query_starts[s] : 1;
+        const int64_t count = num_segments(context_lens[s], block_size);
+        task_of[p + 1] = task_of[p] + count;
+        offset_of[p + 1] = offset_of[p] + count * nq * group * (head_dim + 2);
+    }
+    /* Segments are tasks of their own where the pairs are too few to keep the threads busy. */
+    const int64_t tasks = pairs < 2 * num_threads ? task_of[pairs] : pairs;
+    float *partials = malloc(sizeof(float) * (size_t)(tasks == pairs ? 0 : offset_of[pairs]) + 1);
+    if (!partials) {
+        free(task_of);
+        return 0;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef HAVE_ATTENTION_AMX
     if (amx) configure_score_tiles();
 #endif
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_runs; s++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t t0 = query_starts ? query_starts[s] : s, nq = query_starts ? query_starts[s + 1] - t0 : 1;
-            const char *qs = (const char *)q + (t0 * q_stride + h * group * head_dim) * elem;
-            char *os = (char *)out + (t0 * out_stride + h * group * head_dim) * elem;
-            const char *k_head = (const char *)k_cache + h * row_bytes, *v_head = (const char *)v_cache + h * row_bytes;
-            const int64_t *table = block_tables + s * table_width;
-            if (k_new && !query_starts) {
-                const int64_t to = slots[s] * slot_bytes;
-                const char *k_row = (const char *)k_new + (s * k_stride + h * head_dim) * elem;
-                const char *v_row = (const char *)v_new + (s * v_stride + h * head_dim) * elem;
-                memcpy((char *)k_head + to, k_row, (size_t)row_bytes);
-                memcpy((char *)v_head + to, v_row, (size_t)row_bytes);
-            }
-#define ATTEND(bf16, dim) attend_kv_head(qs, q_stride * elem, os, out_stride * elem, nq, k_head, v_head, table, \
-                                         context_lens[s], group, slot_bytes, block_size, scale, bf16, dim, amx)
-            int done;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t p = task;  /* the pair; split, the one whose segments hold this task (pairs are few) */
+        if (tasks != pairs)
+            for (p = 0; task_of[p + 1] <= task; p++) {}
+        const int64_t s = p / num_kv_heads, h = p % num_kv_heads, count = task_of[p + 1] - task_of[p];
+        const int64_t t0 = query_starts ? query_starts[s] : s, nq = query_starts ? query_starts[s + 1] - t0 : 1;
+        const int64_t rows = nq * group, first = tasks == pairs ? 0 : task - task_of[p];
+        const int64_t last = tasks == pairs ? count : first + 1;
+        const char *qs = (const char *)q + (t0 * q_stride + h * group * head_dim) * elem;
+        const char *k_head = (const char *)k_cache + h * row_bytes, *v_head = (const char *)v_cache + h * row_bytes;
+        const int64_t *table = block_tables + s * table_width;
+        if (k_new && !query_starts && last == count) {  /* the new row, read by the last segment only */
+            const int64_t to = slots[s] * slot_bytes;
+            memcpy((char *)k_head + to, (const char *)k_new + (s * k_stride + h * head_dim) * elem, (size_t)row_bytes);
+            memcpy((char *)v_head + to, (const char *)v_new + (s * v_stride + h * head_dim) * elem, (size_t)row_bytes);
+        }
+        float *sums = tasks == pairs ? malloc(sizeof(float) * (size_t)(count * rows * (head_dim + 2)))
+                                     : partials + offset_of[p];
+        int done = sums != NULL;
+        for (int64_t j = first; done && j < last; j++) {
+            const SegmentSums into = segment_sums(sums, j, rows, head_dim);
+#define ATTEND(bf16, dim) attend_segment(qs, q_stride * elem, nq, k_head, v_head, table, context_lens[s], j, group, \
+                                         slot_bytes, block_size, scale, bf16, dim, amx, into)
             if (is_bf16 && head_dim == 64) done = ATTEND(1, 64);
             else if (is_bf16 && head_dim == 128) done = ATTEND(1, 128);
             else if (!is_bf16 && head_dim == 64) done = ATTEND(0, 64);
             else if (!is_bf16 && head_dim == 128) done = ATTEND(0, 128);
             else done = ATTEND(is_bf16, head_dim);
 #undef ATTEND
-            if (!done) {
+        }
+        if (done && tasks == pairs)
+            done = merge_segments(sums, count, rows, group, head_dim,
+                                  (char *)out + (t0 * out_stride + h * group * head_dim) * elem, out_stride * elem, is_bf16);
+        if (tasks == pairs) free(sums);
+        if (!done) {
+#pragma omp atomic write
+            ok = 0;
+        }
+    }
+    if (tasks != pairs) {  /* the split pairs' segments merged, once all are done (the barrier above) */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t s = p / num_kv_heads, h = p % num_kv_heads;
+            const int64_t t0 = query_starts ? query_starts[s] : s, nq = query_starts ? query_starts[s + 1] - t0 : 1;
+            if (!merge_segments(partials + offset_of[p], task_of[p + 1] - task_of[p], nq * group, group, head_dim,
+                                (char *)out + (t0 * out_stride + h * group * head_dim) * elem, out_stride * elem,
+                                is_bf16)) {
 #pragma omp atomic write
                 ok = 0;
             }
@@ -597,6 +710,7 @@ int paged_attention_runs(const void *q, int64_t q_stride, void *out, int64_t out
     if (amx) _tile_release();
 #endif
     }
+    free(partials), free(task_of);
     return ok;
 }
 
