@@ -204,7 +204,7 @@ typedef struct {
 } BlockShares;
 
 static inline void share_blocks(BlockShares *s, int64_t blocks, int num_threads) {
-    s->count = num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
+    s->count = num_threads < 1 ? 1 : num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
     const int64_t each = blocks / s->count, longer = blocks % s->count;
     for (int64_t t = 0, at = 0; t < s->count; t++) {
         const int64_t end = at + each + (t < longer);
